@@ -1,0 +1,70 @@
+"""mgkit: named device contexts, parallel ops and live views for many accelerators, on JAX.
+
+>>> import mgkit as mg
+>>> mg.simulate(8)                                   # no GPU: 8 CPU devices   # doctest: +SKIP
+>>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+>>> mg.where(mg.put(1.0, "dev1"))
+'dev1'
+"""
+
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
+
+from ._contexts import ContextError as ContextError
+from ._contexts import ContextMap as ContextMap
+from ._contexts import context_map as context_map
+from ._contexts import current as current
+from ._contexts import device_of as device_of
+from ._contexts import on as on
+from ._contexts import use_contexts as use_contexts
+from ._devices import DeviceInfo as DeviceInfo
+from ._devices import DeviceTable as DeviceTable
+from ._devices import devices as devices
+from ._devices import simulate as simulate
+from ._ledger import Event as Event
+from ._ledger import Ledger as Ledger
+from ._ledger import ledger as ledger
+from ._transfer import DeviceMismatchError as DeviceMismatchError
+from ._transfer import colocate as colocate
+from ._transfer import put as put
+from ._transfer import synchronize as synchronize
+from ._transfer import transfer as transfer
+from ._transfer import where as where
+
+try:
+    __version__ = _version("mgkit")
+except _PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0+unknown"
+
+__all__ = [
+    "ContextError",
+    "ContextMap",
+    "DeviceInfo",
+    "DeviceMismatchError",
+    "DeviceTable",
+    "Event",
+    "Ledger",
+    "colocate",
+    "context_map",
+    "current",
+    "device_of",
+    "devices",
+    "ledger",
+    "on",
+    "put",
+    "simulate",
+    "synchronize",
+    "transfer",
+    "use_contexts",
+    "where",
+]
+
+
+def _startup() -> None:
+    from ._devices import simulate_from_env
+
+    simulate_from_env()
+
+
+_startup()
+del _startup

@@ -1,0 +1,253 @@
+"""Devices: stable short names (cpu0, cuda0, tpu0), the device table, and simulated CPU devices."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+from typing import NamedTuple
+
+import jax
+
+from ._table import Table, human_bytes
+
+# Platforms whose devices get short names, in display order (accelerators first).
+_GPU_PLATFORMS = ("cuda", "rocm")
+_DEVICE_SPEC = re.compile(r"^(cpu|cuda|rocm|gpu|tpu)(0|[1-9][0-9]*)?$")
+
+
+def backend_started() -> bool:
+    """True once JAX has started its backends (device counts can no longer change)."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - layout of a future jax
+        return True
+    check = getattr(xla_bridge, "backends_are_initialized", None)
+    if check is None:  # pragma: no cover - layout of a future jax
+        return bool(getattr(xla_bridge, "_backends", None))
+    return bool(check())
+
+
+def simulate(n: int) -> None:
+    """Gives JAX ``n`` CPU devices to work with, for multi-device code on a machine without GPUs.
+
+    Must run before the first JAX operation. Calling it again with the count already in
+    effect does nothing; any other count after JAX started raises ``RuntimeError``.
+
+    Args:
+      n: number of CPU devices, at least 1.
+
+    >>> import mgkit as mg
+    >>> mg.simulate(8)
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(
+            f"simulate(n) takes an int number of CPU devices, got {n!r} of type "
+            f"{type(n).__name__}; call it as mg.simulate(8)."
+        )
+    if n < 1:
+        raise ValueError(f"simulate(n) needs at least 1 CPU device, got n={n}; call it as mg.simulate(8).")
+    if not backend_started():
+        jax.config.update("jax_num_cpu_devices", n)
+        _clear_caches()
+        return
+    have = len(jax.devices("cpu"))
+    if have == n:
+        return
+    raise RuntimeError(
+        f"mg.simulate({n}) came too late: JAX has already started with {have} CPU device(s), and the "
+        "CPU device count can only be set before the first JAX operation. To fix it: restart the "
+        f"kernel and call mg.simulate({n}) right after `import mgkit`, before any array is made; "
+        f"or set MGKIT_SIMULATE={n} in the environment; or run the code in a fresh process."
+    )
+
+
+def _clear_caches() -> None:
+    _all_devices.cache_clear()
+
+
+class DeviceInfo(NamedTuple):
+    """One row of the device table."""
+
+    name: str
+    platform: str
+    kind: str
+    description: str
+    process_index: int
+    memory_in_use: int | None
+    memory_limit: int | None
+    device: jax.Device
+
+
+def _platform_of(device: jax.Device, client_platform: str) -> str:
+    if device.platform == "gpu" or client_platform in _GPU_PLATFORMS:
+        return client_platform if client_platform in _GPU_PLATFORMS else "cuda"
+    return device.platform
+
+
+@functools.lru_cache(maxsize=1)
+def _all_devices() -> tuple[tuple[str, jax.Device], ...]:
+    """Every device of every platform JAX can see, named, accelerators first."""
+    import jax.extend.backend as jax_backend
+
+    named: list[tuple[int, str, jax.Device]] = []
+    for client_platform, client in jax_backend.backends().items():
+        devs = sorted(client.devices(), key=lambda d: d.id)
+        for i, d in enumerate(devs):
+            plat = _platform_of(d, client_platform)
+            order = 2 if plat == "cpu" else (1 if plat == "tpu" else 0)
+            named.append((order, f"{plat}{i}", d))
+    named.sort(key=lambda t: t[0])
+    return tuple((name, d) for _, name, d in named)
+
+
+def all_devices() -> tuple[tuple[str, jax.Device], ...]:
+    """Pairs (short name, device) for every device; starts JAX's backends."""
+    return _all_devices()
+
+
+def short_name(device: jax.Device) -> str:
+    """The stable short name of a device (``cpu3``, ``cuda0``)."""
+    for name, d in _all_devices():
+        if d == device:
+            return name
+    return str(device)
+
+
+def device_names() -> list[str]:
+    return [name for name, _ in _all_devices()]
+
+
+def has_accelerator() -> bool:
+    return any(not name.startswith("cpu") for name, _ in _all_devices())
+
+
+def lookup_device(spec: str) -> jax.Device:
+    """Finds the device a spec (``cpu``, ``cpu3``, ``cuda0``, ``gpu0``, ``tpu1``) names.
+
+    Raises ValueError naming the spec and listing the devices that exist.
+    """
+    m = _DEVICE_SPEC.match(spec)
+    if m is None:
+        raise ValueError(f"{spec!r} is not a device name; {_expected_devices()}")
+    plat, idx = m.group(1), int(m.group(2) or 0)
+    if plat == "gpu":
+        candidates = [d for n, d in _all_devices() if n.startswith(_GPU_PLATFORMS)]
+    else:
+        candidates = [d for n, d in _all_devices() if re.fullmatch(plat + r"\d+", n)]
+    if idx < len(candidates):
+        return candidates[idx]
+    if not candidates:
+        why = f"this machine has no {plat.upper() if plat != 'rocm' else 'ROCm'} devices"
+        if plat in ("cuda", "gpu", "rocm"):
+            why += " (no GPU, or a CPU-only jaxlib; for GPUs install jax[cuda12] or jax[cuda13])"
+    else:
+        why = f"there are only {len(candidates)} {plat} device(s), numbered 0..{len(candidates) - 1}"
+    hint = ""
+    if plat == "cpu":
+        hint = f"; for more CPU devices call mg.simulate({idx + 1}) before any JAX operation"
+    raise ValueError(f"device {spec!r} does not exist: {why}{hint}. {_expected_devices()}")
+
+
+def _expected_devices() -> str:
+    names = device_names()
+    shown = ", ".join(names[:16]) + (f", ... ({len(names)} in all)" if len(names) > 16 else "")
+    return f"devices that exist: {shown}"
+
+
+def describe(device: jax.Device) -> str:
+    """A one-line description of a device: the GPU model, or the host CPU model for CPU devices."""
+    if device.platform != "cpu":
+        return device.device_kind
+    n = len(jax.devices("cpu"))
+    model = _cpu_model()
+    return f"{model} (CPU device {device.id} of {n}{', simulated' if n > 1 else ''})"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "host CPU"
+
+
+def memory(device: jax.Device) -> tuple[int | None, int | None]:
+    """(bytes in use, byte limit) where the device reports them, else (None, None)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        stats = None
+    if not stats:
+        return None, None
+    return stats.get("bytes_in_use"), stats.get("bytes_limit")
+
+
+class DeviceTable(Table):
+    """The devices JAX can see; prints as a table, displays as HTML, iterates as DeviceInfo rows."""
+
+    headers = ("name", "platform", "kind", "description", "process", "memory in use / limit")
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __getitem__(self, key: int | str) -> DeviceInfo:
+        if isinstance(key, str):
+            for row in self._rows:
+                if row.name == key:
+                    return row
+            raise KeyError(f"no device named {key!r}; {_expected_devices()}")
+        return self._rows[key]
+
+    @property
+    def names(self) -> list[str]:
+        return [row.name for row in self._rows]
+
+    def _display_rows(self) -> list[tuple]:
+        out = []
+        for r in self._rows:
+            if r.memory_limit is None and r.memory_in_use is None:
+                mem = "n/a"
+            else:
+                used = "?" if r.memory_in_use is None else human_bytes(r.memory_in_use)
+                limit = "?" if r.memory_limit is None else human_bytes(r.memory_limit)
+                mem = f"{used} / {limit}"
+            out.append((r.name, r.platform, r.kind, r.description, r.process_index, mem))
+        return out
+
+
+def devices() -> DeviceTable:
+    """Lists every device JAX can see, on every platform, with stable short names.
+
+    Returns:
+      A DeviceTable: text in a terminal, HTML in a notebook, DeviceInfo rows when iterated.
+
+    >>> import mgkit as mg
+    >>> mg.devices().names[:2]
+    ['cpu0', 'cpu1']
+    """
+    rows = []
+    for name, d in _all_devices():
+        used, limit = memory(d)
+        plat = name.rstrip("0123456789")
+        rows.append(DeviceInfo(name, plat, d.device_kind, describe(d), d.process_index, used, limit, d))
+    return DeviceTable(rows, title=f"{len(rows)} device(s), jax {jax.__version__}")
+
+
+def simulate_from_env() -> None:
+    """Applies MGKIT_SIMULATE=n from the environment, if set."""
+    value = os.environ.get("MGKIT_SIMULATE", "").strip()
+    if not value:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(
+            f"MGKIT_SIMULATE={value!r} is not a whole number of CPU devices; set it like MGKIT_SIMULATE=8"
+        ) from None
+    simulate(n)

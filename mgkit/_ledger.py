@@ -1,0 +1,282 @@
+"""The ledger: one bounded, thread-safe stream of events for every move and step mgkit makes.
+
+Compute code records events here; widgets, magics and summaries read or subscribe. Copy
+durations are measured to completion by a watcher thread, so the caller never waits for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._table import Table, html_table, human_bytes, text_table
+
+log = logging.getLogger("mgkit")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """One thing mgkit did.
+
+    Attributes:
+      kind: ``put``, ``transfer``, ``colocate`` (later also ``split``, ``concat``, ``step``...).
+      src, dst: context names (``host`` for host memory).
+      src_device, dst_device: short device names (``cpu0``, ``cuda1``, ``host``).
+      nbytes: bytes moved.
+      start: wall-clock time the operation was issued (``time.time()``).
+      seconds: time from issue to completion.
+      label: the IPython execution count (``In [7]`` -> ``7``) when run in IPython, else None.
+      info: extra facts about the event (array count, shapes, samples...).
+    """
+
+    kind: str
+    src: str
+    dst: str
+    src_device: str
+    dst_device: str
+    nbytes: int
+    start: float
+    seconds: float
+    label: int | None = None
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Achieved bandwidth in GB/s (1e9 bytes per second)."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
+
+
+def execution_label() -> int | None:
+    """The running IPython cell's execution count, without importing IPython."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return None
+    try:
+        shell = ipython.get_ipython()
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(shell, "execution_count", None) if shell is not None else None
+
+
+class Summary(Table):
+    """Per source -> target pair totals: count, bytes, seconds, GB/s."""
+
+    headers = ("kind", "from", "to", "count", "bytes", "seconds", "GB/s")
+
+    def _display_rows(self) -> list[tuple]:
+        return [
+            (k, s, d, c, human_bytes(b), f"{t:.6f}", f"{b / t / 1e9:.2f}" if t > 0 else "n/a")
+            for k, s, d, c, b, t in self._rows
+        ]
+
+    def total_bytes(self) -> int:
+        return sum(r[4] for r in self._rows)
+
+
+class Matrix:
+    """Bytes moved between every pair of contexts: ``values[i, j]`` from ``names[i]`` to ``names[j]``."""
+
+    def __init__(self, names: list[str], values: np.ndarray):
+        self.names = names
+        self.values = values
+
+    def __getitem__(self, pair: tuple[str, str]) -> int:
+        src, dst = pair
+        return int(self.values[self.names.index(src), self.names.index(dst)])
+
+    def _rows(self) -> tuple[list[str], list[list[str]]]:
+        headers = ["from \\ to", *self.names]
+        rows = [[s, *(human_bytes(v) if v else "." for v in self.values[i])] for i, s in enumerate(self.names)]
+        return headers, rows
+
+    def __repr__(self) -> str:
+        return text_table(*self._rows(), title="bytes moved (row: from, column: to)")
+
+    def _repr_html_(self) -> str:
+        return html_table(*self._rows(), title="bytes moved (row: from, column: to)")
+
+
+class Ledger:
+    """A bounded, thread-safe record of events with live subscribers.
+
+    Args:
+      capacity: how many recent events ``records()`` keeps (older ones drop out of the ring
+        buffer; ``summary()`` and ``matrix()`` still count them).
+    """
+
+    def __init__(self, capacity: int = 10_000):
+        self._lock = threading.RLock()
+        self._events: collections.deque[Event] = collections.deque(maxlen=self._check_capacity(capacity))
+        self._totals: dict[tuple[str, str, str], list[float]] = {}
+        self._subscribers: list[Callable[[Event], None]] = []
+        self._pending: queue.Queue = queue.Queue()
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._watcher: threading.Thread | None = None
+        self.dropped = 0
+
+    @staticmethod
+    def _check_capacity(capacity: int) -> int:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"ledger capacity must be a positive int, got {capacity!r}; e.g. 10_000")
+        return capacity
+
+    @property
+    def capacity(self) -> int:
+        return self._events.maxlen or 0
+
+    def set_capacity(self, capacity: int) -> None:
+        """Changes how many recent events are kept, keeping the newest."""
+        capacity = self._check_capacity(capacity)
+        with self._lock:
+            self._events = collections.deque(self._events, maxlen=capacity)
+
+    # -- recording -------------------------------------------------------------------------
+
+    def record(self, event: Event) -> None:
+        """Appends a finished event and hands it to every subscriber."""
+        with self._lock:
+            if len(self._events) == self._events.maxlen:
+                self.dropped += 1
+            self._events.append(event)
+            key = (event.kind, event.src, event.dst)
+            tot = self._totals.get(key)
+            if tot is None:
+                tot = self._totals[key] = [0, 0, 0.0]
+            tot[0] += 1
+            tot[1] += event.nbytes
+            tot[2] += event.seconds
+            subscribers = list(self._subscribers)
+        for callback in subscribers:
+            try:
+                callback(event)
+            except Exception:  # noqa: BLE001 - a broken subscriber must not break the ledger
+                log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
+
+    def record_when_ready(self, event: Event, arrays: list, t0: float) -> None:
+        """Records ``event`` once ``arrays`` are ready, timing from ``t0`` (``perf_counter``)
+        to completion on a watcher thread; the caller does not wait."""
+        with self._lock:
+            self._inflight += 1
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch, name="mgkit-ledger", daemon=True)
+                self._watcher.start()
+        self._pending.put((event, arrays, t0))
+
+    def _watch(self) -> None:
+        import jax
+
+        while True:
+            event, arrays, t0 = self._pending.get()
+            try:
+                jax.block_until_ready(arrays)
+                seconds = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - a failed copy is recorded, not lost
+                seconds = time.perf_counter() - t0
+                event = dataclasses.replace(event, info={**event.info, "error": repr(e)})
+            del arrays
+            try:
+                self.record(dataclasses.replace(event, seconds=seconds))
+            finally:
+                with self._lock:
+                    self._inflight -= 1
+                    if self._inflight == 0:
+                        self._idle.notify_all()
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Waits until every event in flight is recorded; returns False on timeout."""
+        if threading.current_thread() is self._watcher:
+            return self._inflight == 0  # called from a subscriber: waiting would wait on itself
+        with self._lock:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def records(self, kind: str | None = None) -> list[Event]:
+        """The events kept in the ring buffer, oldest first (waits for events in flight)."""
+        self.flush()
+        with self._lock:
+            events = list(self._events)
+        return [e for e in events if kind is None or e.kind == kind]
+
+    def summary(self) -> Summary:
+        """Totals per (kind, source, target) since the last ``clear()``: count, bytes, seconds, GB/s."""
+        self.flush()
+        with self._lock:
+            rows = [(k, s, d, int(c), int(b), t) for (k, s, d), (c, b, t) in self._totals.items()]
+        n = sum(r[3] for r in rows)
+        return Summary(rows, title=f"mgkit ledger: {n} event(s), {human_bytes(sum(r[4] for r in rows))} moved")
+
+    def matrix(self) -> Matrix:
+        """Bytes moved between every pair of contexts (and host) since the last ``clear()``."""
+        self.flush()
+        with self._lock:
+            totals = dict(self._totals)
+        from . import _contexts
+
+        names = list(_contexts.context_map().names)
+        for _, s, d in totals:
+            for n in (s, d):
+                if n not in names:
+                    names.append(n)
+        values = np.zeros((len(names), len(names)), dtype=np.int64)
+        for (_, s, d), (_, b, _) in totals.items():
+            values[names.index(s), names.index(d)] += int(b)
+        return Matrix(names, values)
+
+    def clear(self) -> None:
+        """Forgets every event and total (events in flight are still recorded when done)."""
+        with self._lock:
+            self._events.clear()
+            self._totals.clear()
+            self.dropped = 0
+
+    def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
+        """Calls ``callback(event)`` for every new event, on the thread that records it.
+
+        Returns a function that unsubscribes. A callback that raises is logged and kept.
+        """
+        if not callable(callback):
+            raise TypeError(f"subscribe() takes a callable taking one Event, got {callback!r}")
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+    def __repr__(self) -> str:
+        return repr(self.summary())
+
+    def _repr_html_(self) -> str:
+        return self.summary()._repr_html_()
+
+
+_LEDGER = Ledger()
+
+
+def ledger() -> Ledger:
+    """The process-wide ledger of every put, transfer, colocate (and later split, concat, step).
+
+    >>> import mgkit as mg
+    >>> mg.ledger().clear()
+    >>> len(mg.ledger())
+    0
+    """
+    return _LEDGER

@@ -1,0 +1,246 @@
+"""Placement and transfers: put, transfer, colocate, synchronize — each recorded in the ledger."""
+
+from __future__ import annotations
+
+import numbers
+import re
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import _contexts, _devices
+from ._contexts import HOST, ContextError
+from ._ledger import Event, execution_label, ledger
+
+_HOST_TARGETS = ("cpu", "host")
+
+
+def _leaves(tree: Any, fn: str) -> tuple[list, Any, list[str]]:
+    """Flattens a pytree and checks every leaf is an array or a number."""
+    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, paths = [], []
+    for path, leaf in path_leaves:
+        where = jax.tree_util.keystr(path) or "(the value itself)"
+        if isinstance(leaf, (str, bytes)) or not (
+            isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number))
+        ):
+            raise TypeError(
+                f"{fn}: leaf {where} is a {type(leaf).__name__} ({_short(leaf)}), but only arrays "
+                "(numpy or JAX) and numbers can be placed on a device. Convert it with np.asarray(...) "
+                "or keep it out of the tree you pass."
+            )
+        if isinstance(leaf, np.ndarray) and leaf.dtype == object:
+            raise TypeError(
+                f"{fn}: leaf {where} is a numpy array of dtype object (shape {leaf.shape}), which "
+                "cannot live on a device; convert it to a numeric dtype, e.g. x.astype(np.float32)"
+            )
+        leaves.append(leaf)
+        paths.append(where)
+    return leaves, treedef, paths
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _nbytes(leaf: Any) -> int:
+    return int(getattr(leaf, "nbytes", None) or np.asarray(leaf).nbytes)
+
+
+def _source(leaf: Any) -> tuple[str, str, frozenset | None]:
+    """(context name, device name, devices) for a leaf; host memory for numpy and numbers."""
+    if isinstance(leaf, jax.Array):
+        devs = leaf.devices()
+        if len(devs) == 1:
+            (d,) = devs
+            return _contexts.name_of(d), _devices.short_name(d), frozenset(devs)
+        names = sorted({_contexts.name_of(d) for d in devs})
+        return "+".join(names), f"{len(devs)} devices", frozenset(devs)
+    return HOST, HOST, None
+
+
+def _target(ctx: Any, fn: str) -> tuple[str, jax.Device | None]:
+    """(name, device) for a target context; device None means host numpy."""
+    if isinstance(ctx, str) and ctx in _HOST_TARGETS:
+        return HOST, None
+    if isinstance(ctx, jax.Device):
+        return _contexts.name_of(ctx), ctx
+    try:
+        return ctx, _contexts.device_of(ctx)
+    except (ContextError, ValueError) as e:
+        raise type(e)(f"{fn}: {e}") from None
+    except TypeError as e:
+        raise TypeError(f"{fn}: {e}; use 'cpu' for host memory") from None
+
+
+def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
+    name, device = _target(ctx, fn)
+    leaves, treedef, _ = _leaves(tree, fn)
+    label = execution_label()
+    # Group the leaves that actually move by where they come from: one event per source.
+    groups: dict[tuple[str, str], list[int]] = {}
+    out = list(leaves)
+    for i, leaf in enumerate(leaves):
+        src_name, src_dev, src_devices = _source(leaf)
+        if device is None and src_devices is None:
+            out[i] = np.asarray(leaf)  # already host memory
+            continue
+        if device is not None and src_devices == frozenset((device,)):
+            continue  # already there
+        groups.setdefault((src_name, src_dev), []).append(i)
+    dst_dev = HOST if device is None else _devices.short_name(device)
+    for (src_name, src_dev), idx in groups.items():
+        moving = [leaves[i] for i in idx]
+        start, t0 = time.time(), time.perf_counter()
+        if device is None:
+            moved = jax.device_get(moving)
+            moved = [np.asarray(m) for m in moved]
+        else:
+            moved = jax.device_put(moving, device)
+        for i, m in zip(idx, moved, strict=True):
+            out[i] = m
+        event = Event(
+            kind=kind,
+            src=src_name,
+            dst=name,
+            src_device=src_dev,
+            dst_device=dst_dev,
+            nbytes=sum(_nbytes(x) for x in moving),
+            start=start,
+            seconds=0.0,
+            label=label,
+            info={"arrays": len(moving)},
+        )
+        if device is None:
+            ledger().record(Event(**{**_fields(event), "seconds": time.perf_counter() - t0}))
+        else:
+            ledger().record_when_ready(event, moved, t0)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _fields(event: Event) -> dict:
+    return {f: getattr(event, f) for f in event.__dataclass_fields__}
+
+
+def put(tree: Any, ctx: str | jax.Device) -> Any:
+    """Places a pytree of numpy/JAX arrays and numbers on a context (Theano's ``shared(..., target=)``).
+
+    Args:
+      tree: any pytree whose leaves are arrays or numbers.
+      ctx: a context name (``dev0``), a device name (``cpu3``) or a jax.Device.
+
+    Returns:
+      The same tree with every leaf a jax.Array on that context's device.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> w = mg.put({"w": np.ones((2, 2)), "b": 0.5}, "dev1")
+    >>> mg.where(w)
+    'dev1'
+    """
+    if isinstance(ctx, str) and ctx in _HOST_TARGETS:
+        raise ContextError(
+            f"put(tree, {ctx!r}): put places data on a device context; to bring arrays back to "
+            "host numpy use mg.transfer(tree, 'cpu')"
+        )
+    return _move(tree, ctx, "put", "put")
+
+
+def transfer(tree: Any, ctx: str | jax.Device) -> Any:
+    """Moves a pytree to a context (Theano's ``v.transfer('dev0')``); ``ctx='cpu'`` returns host numpy.
+
+    Leaves already on the target stay as they are and are not recorded as moves.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> x = mg.put(np.arange(4.0), "dev0")
+    >>> mg.where(mg.transfer(x, "dev1"))
+    'dev1'
+    >>> type(mg.transfer(x, "cpu")).__name__
+    'ndarray'
+    """
+    return _move(tree, ctx, "transfer", "transfer")
+
+
+def colocate(*trees: Any, to: str | jax.Device) -> tuple:
+    """Moves several pytrees onto one context so they can be combined (cutorch's
+    ``matrix2:add(matrix1)`` across GPUs).
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> a, b = mg.put(np.ones(3), "dev0"), mg.put(np.ones(3), "dev1")
+    >>> a, b = mg.colocate(a, b, to="dev0")
+    >>> float((a + b).sum())
+    6.0
+    """
+    if not trees:
+        raise TypeError("colocate(*trees, to=ctx) needs at least one tree to move")
+    return tuple(_move(t, to, "colocate", "colocate") for t in trees)
+
+
+def where(tree: Any) -> str | dict:
+    """The context a pytree lives on: one name when every leaf is on the same context, else a
+    dict leaf path -> context name (``host`` for numpy)."""
+    leaves, _, paths = _leaves(tree, "where")
+    names = [_source(leaf)[0] for leaf in leaves]
+    if len(set(names)) == 1:
+        return names[0]
+    return dict(zip(paths, names, strict=True))
+
+
+def synchronize(ctx: str | jax.Device | None = None) -> None:
+    """Waits for all work dispatched on every context, or on one (cutorch's ``synchronize()``).
+
+    Also waits until every copy in flight is recorded in the ledger.
+    """
+    if ctx is None:
+        targets = None
+    else:
+        _, device = _target(ctx, "synchronize")
+        if device is None:
+            return
+        targets = {device}
+    pending = []
+    for arr in jax.live_arrays():
+        try:
+            if arr.is_deleted():
+                continue
+            if targets is None or targets & arr.devices():
+                pending.append(arr)
+        except RuntimeError:  # deleted between the listing and the check
+            continue
+    jax.block_until_ready(pending)
+    if ctx is None:
+        ledger().flush()
+
+
+_INCOMPATIBLE = re.compile(r"argument (\S+) of (\S+) with shape (\S+) and with device ids \[([\d, ]+)\]")
+
+
+def explain_incompatible(exc: BaseException) -> Exception | None:
+    """Rewrites JAX's "incompatible devices" error in terms of context names, else None."""
+    text = str(exc)
+    if not isinstance(exc, ValueError) or "incompatible devices" not in text:
+        return None
+    by_id = {d.id: d for _, d in _devices.all_devices()}
+    parts, names = [], []
+    for arg, op, shape, ids in _INCOMPATIBLE.findall(text):
+        devs = [by_id[int(i)] for i in ids.split(",") if int(i) in by_id]
+        ctx = "+".join(sorted({_contexts.name_of(d) for d in devs})) or f"device ids [{ids}]"
+        names.append(ctx)
+        parts.append(f"argument {arg} of {op} ({shape}) is on {ctx}")
+    if not parts:
+        return None
+    return DeviceMismatchError(
+        "arrays on different contexts were combined in one operation: "
+        + "; ".join(parts)
+        + f". Move them onto one context first, e.g. a, b = mg.colocate(a, b, to={names[0]!r}), "
+        "or mg.transfer(x, ctx)."
+    )
+
+
+class DeviceMismatchError(ValueError):
+    """Arrays on different contexts were used together in one operation."""

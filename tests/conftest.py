@@ -1,0 +1,39 @@
+"""Every test runs with 8 simulated CPU devices; a test that needs another count uses a subprocess."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+os.environ.pop("MGKIT_CONTEXTS", None)
+os.environ["MGKIT_SIMULATE"] = "8"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+import mgkit as mg  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_contexts():
+    """Each test starts with dev0..dev7 -> cpu0..cpu7, an empty ledger and no scope."""
+    mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(8)), verbose=False)
+    mg.ledger().clear()
+    yield
+    mg.ledger().flush()
+
+
+def run_python(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs code in a fresh Python process (for device counts and start-up order)."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
