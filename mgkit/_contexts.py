@@ -80,7 +80,7 @@ class ContextMap(Mapping[str, str]):
     'cpu1'
     """
 
-    __slots__ = ("_items", "_index")
+    __slots__ = ("_index", "_items")
 
     def __init__(self, items: Mapping[str, str] | Iterator[tuple[str, str]] | list[tuple[str, str]]):
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
@@ -116,7 +116,8 @@ class ContextMap(Mapping[str, str]):
         """
         if not isinstance(text, str):
             raise TypeError(
-                f"a context map is a string like 'dev0->cuda0;dev1->cuda1', got {type(text).__name__} {text!r}"
+                "a context map is a string like 'dev0->cuda0;dev1->cuda1', "
+                f"got {type(text).__name__} {text!r}"
             )
         parts = text.split(";")
         if parts and not parts[-1].strip():
@@ -136,7 +137,8 @@ class ContextMap(Mapping[str, str]):
                 )
             if "->" not in mapping:
                 raise ContextError(
-                    f"mapping {mapping!r} in {text!r} has no '->'; write it as 'name->device', e.g. 'dev0->cpu0'"
+                    f"mapping {mapping!r} in {text!r} has no '->'; "
+                    "write it as 'name->device', e.g. 'dev0->cpu0'"
                 )
             name, spec = mapping.split("->", 1)
             name, spec = name.strip(), spec.strip()
@@ -152,7 +154,9 @@ class ContextMap(Mapping[str, str]):
         try:
             return self._index[name]
         except (KeyError, TypeError):
-            raise ContextError(f"unknown context {name!r}; the contexts are {', '.join(self._index)}") from None
+            raise ContextError(
+                f"unknown context {name!r}; the contexts are {', '.join(self._index)}"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)

@@ -95,7 +95,9 @@ class Matrix:
 
     def _rows(self) -> tuple[list[str], list[list[str]]]:
         headers = ["from \\ to", *self.names]
-        rows = [[s, *(human_bytes(v) if v else "." for v in self.values[i])] for i, s in enumerate(self.names)]
+        rows = [
+            [s, *(human_bytes(v) if v else "." for v in self.values[i])] for i, s in enumerate(self.names)
+        ]
         return headers, rows
 
     def __repr__(self) -> str:
@@ -159,7 +161,7 @@ class Ledger:
         for callback in subscribers:
             try:
                 callback(event)
-            except Exception:  # noqa: BLE001 - a broken subscriber must not break the ledger
+            except Exception:
                 log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
 
     def record_when_ready(self, event: Event, arrays: list, t0: float) -> None:
@@ -214,7 +216,9 @@ class Ledger:
         with self._lock:
             rows = [(k, s, d, int(c), int(b), t) for (k, s, d), (c, b, t) in self._totals.items()]
         n = sum(r[3] for r in rows)
-        return Summary(rows, title=f"mgkit ledger: {n} event(s), {human_bytes(sum(r[4] for r in rows))} moved")
+        return Summary(
+            rows, title=f"mgkit ledger: {n} event(s), {human_bytes(sum(r[4] for r in rows))} moved"
+        )
 
     def matrix(self) -> Matrix:
         """Bytes moved between every pair of contexts (and host) since the last ``clear()``."""

@@ -33,9 +33,7 @@ def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: 
     """Renders rows as an HTML table for notebook display."""
     esc = html.escape
     head = "".join(f"<th>{esc(str(h))}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows
-    )
+    body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows)
     if not rows:
         body = f'<tr><td colspan="{len(headers)}">(none)</td></tr>'
     caption = f"<caption>{esc(title)}</caption>" if title else ""

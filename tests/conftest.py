@@ -8,7 +8,7 @@ import textwrap
 os.environ.pop("MGKIT_CONTEXTS", None)
 os.environ["MGKIT_SIMULATE"] = "8"
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
