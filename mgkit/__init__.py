@@ -10,7 +10,6 @@
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
-from ._contexts import ContextError as ContextError
 from ._contexts import ContextMap as ContextMap
 from ._contexts import context_map as context_map
 from ._contexts import current as current
@@ -21,10 +20,11 @@ from ._devices import DeviceInfo as DeviceInfo
 from ._devices import DeviceTable as DeviceTable
 from ._devices import devices as devices
 from ._devices import simulate as simulate
+from ._errors import ContextError as ContextError
+from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._ledger import Event as Event
 from ._ledger import Ledger as Ledger
 from ._ledger import ledger as ledger
-from ._transfer import DeviceMismatchError as DeviceMismatchError
 from ._transfer import colocate as colocate
 from ._transfer import put as put
 from ._transfer import synchronize as synchronize

@@ -11,15 +11,12 @@ from collections.abc import Iterator, Mapping
 import jax
 
 from . import _devices
+from ._errors import ContextError
 
 _RESERVED_PREFIXES = ("cuda", "opencl", "cpu", "gpu", "tpu", "rocm")
 _OPENCL = re.compile(r"^opencl\d+(:\d+)?$", re.IGNORECASE)
 HOST = "host"
 """The name the ledger uses for host (numpy) memory."""
-
-
-class ContextError(ValueError):
-    """A context map or context name is invalid, or names a device that does not exist."""
 
 
 def _check_name(name: str, mapping: str) -> None:
@@ -56,10 +53,9 @@ def _check_device_spec(spec: str, mapping: str) -> str:
             f"device {spec!r} in mapping {mapping!r} is an OpenCL device, which is not supported by JAX; "
             "use cuda<i> (or gpu<i>) for GPUs, tpu<i>, or cpu<i>"
         )
-    m = _devices._DEVICE_SPEC.match(spec)
-    if m is None:
+    if _devices.parse_device_spec(spec) is None:
         lowered = spec.lower()
-        hint = f" (did you mean {lowered!r}?)" if _devices._DEVICE_SPEC.match(lowered) else ""
+        hint = f" (did you mean {lowered!r}?)" if _devices.parse_device_spec(lowered) else ""
         raise ContextError(
             f"{spec!r} in mapping {mapping!r} is not a device name{hint}; expected one of cpu, cpu<i>, "
             "cuda<i>, gpu<i>, rocm<i>, tpu<i> with <i> a device index such as 0"
@@ -122,7 +118,7 @@ class ContextMap(Mapping[str, str]):
         parts = text.split(";")
         if parts and not parts[-1].strip():
             parts.pop()
-        if not parts:
+        if not any(p.strip() for p in parts):
             raise ContextError(
                 f"empty context map {text!r}; give at least one mapping like 'dev0->cpu0' "
                 "(several are separated by ';')"
@@ -291,7 +287,7 @@ def device_of(name: str | jax.Device) -> jax.Device:
     cmap, devs = _ensure()
     if name in devs:
         return devs[name]
-    if _devices._DEVICE_SPEC.match(name):
+    if _devices.parse_device_spec(name):
         return _devices.lookup_device(name)
     raise ContextError(
         f"unknown context {name!r}; the contexts are {', '.join(cmap.names)} "

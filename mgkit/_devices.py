@@ -10,11 +10,20 @@ from typing import NamedTuple
 
 import jax
 
+from ._errors import ContextError
 from ._table import Table, human_bytes
 
 # Platforms whose devices get short names, in display order (accelerators first).
 _GPU_PLATFORMS = ("cuda", "rocm")
-_DEVICE_SPEC = re.compile(r"^(cpu|cuda|rocm|gpu|tpu)(0|[1-9][0-9]*)?$")
+_DEVICE_SPEC = re.compile(r"^(cpu|cuda|rocm|gpu|tpu)(0|[1-9][0-9]*)$")
+
+
+def parse_device_spec(spec: str) -> tuple[str, int] | None:
+    """('cuda', 1) for 'cuda1', ('cpu', 0) for 'cpu'; None when spec is not a device name."""
+    if spec == "cpu":
+        return "cpu", 0
+    m = _DEVICE_SPEC.match(spec)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def backend_started() -> bool:
@@ -128,10 +137,10 @@ def lookup_device(spec: str) -> jax.Device:
 
     Raises ValueError naming the spec and listing the devices that exist.
     """
-    m = _DEVICE_SPEC.match(spec)
-    if m is None:
-        raise ValueError(f"{spec!r} is not a device name; {_expected_devices()}")
-    plat, idx = m.group(1), int(m.group(2) or 0)
+    parsed = parse_device_spec(spec)
+    if parsed is None:
+        raise ContextError(f"{spec!r} is not a device name; {_expected_devices()}")
+    plat, idx = parsed
     if plat == "gpu":
         candidates = [d for n, d in _all_devices() if n.startswith(_GPU_PLATFORMS)]
     else:
@@ -147,7 +156,7 @@ def lookup_device(spec: str) -> jax.Device:
     hint = ""
     if plat == "cpu":
         hint = f"; for more CPU devices call mg.simulate({idx + 1}) before any JAX operation"
-    raise ValueError(f"device {spec!r} does not exist: {why}{hint}. {_expected_devices()}")
+    raise ContextError(f"device {spec!r} does not exist: {why}{hint}. {_expected_devices()}")
 
 
 def _expected_devices() -> str:

@@ -238,7 +238,8 @@ class Ledger:
         return Matrix(names, values)
 
     def clear(self) -> None:
-        """Forgets every event and total (events in flight are still recorded when done)."""
+        """Forgets every event and total, after waiting for events in flight to be recorded."""
+        self.flush()
         with self._lock:
             self._events.clear()
             self._totals.clear()

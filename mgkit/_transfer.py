@@ -11,7 +11,8 @@ import jax
 import numpy as np
 
 from . import _contexts, _devices
-from ._contexts import HOST, ContextError
+from ._contexts import HOST
+from ._errors import ContextError, DeviceMismatchError
 from ._ledger import Event, execution_label, ledger
 
 _HOST_TARGETS = ("cpu", "host")
@@ -240,7 +241,3 @@ def explain_incompatible(exc: BaseException) -> Exception | None:
         + f". Move them onto one context first, e.g. a, b = mg.colocate(a, b, to={names[0]!r}), "
         "or mg.transfer(x, ctx)."
     )
-
-
-class DeviceMismatchError(ValueError):
-    """Arrays on different contexts were used together in one operation."""
