@@ -64,7 +64,14 @@ def execution_label() -> int | None:
         shell = ipython.get_ipython()
     except Exception:  # noqa: BLE001
         return None
-    return getattr(shell, "execution_count", None) if shell is not None else None
+    if shell is None:
+        return None
+    # The running cell is the last input in the history (IPython moves execution_count on
+    # before or after the cell depending on its version; the history is the same in both).
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if history:
+        return len(history) - 1
+    return getattr(shell, "execution_count", None)
 
 
 class Summary(Table):

@@ -1,0 +1,156 @@
+"""The ledger: events, totals, ring buffer, subscribers, threads, timing off the caller's path."""
+
+import logging
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mgkit as mg
+from mgkit._ledger import Event, Ledger
+
+
+def _event(i=0, src="dev0", dst="dev1", nbytes=100, seconds=0.5, kind="transfer"):
+    return Event(kind, src, dst, "cpu0", "cpu1", nbytes, time.time(), seconds, label=i)
+
+
+def test_summary_matrix_and_gbps():
+    led = Ledger()
+    led.record(_event(nbytes=2_000_000_000, seconds=1.0))
+    led.record(_event(nbytes=1_000_000_000, seconds=1.0))
+    led.record(_event(src="host", dst="dev0", nbytes=10, seconds=0.0, kind="put"))
+    rows = led.summary().rows()
+    assert rows == [("transfer", "dev0", "dev1", 2, 3_000_000_000, 2.0), ("put", "host", "dev0", 1, 10, 0.0)]
+    text = repr(led.summary())
+    assert "mgkit ledger: 3 event(s)" in text and "1.50" in text and "n/a" in text
+    assert "<td>dev0</td>" in led.summary()._repr_html_()
+    m = led.matrix()
+    assert m["dev0", "dev1"] == 3_000_000_000 and m["host", "dev0"] == 10 and m["dev1", "dev0"] == 0
+    assert m.names[:8] == [f"dev{i}" for i in range(8)] and "host" in m.names
+    assert "bytes moved" in repr(m) and "<table" in m._repr_html_()
+    assert _event(nbytes=3e9, seconds=1.5).gbps == pytest.approx(2.0)
+
+
+def test_ring_buffer_is_bounded_but_totals_count_everything():
+    led = Ledger(capacity=5)
+    for i in range(12):
+        led.record(_event(i))
+    assert len(led) == 5 and [e.label for e in led.records()] == [7, 8, 9, 10, 11]
+    assert led.dropped == 7
+    assert led.summary().rows()[0][3] == 12
+    led.set_capacity(2)
+    assert [e.label for e in led.records()] == [10, 11] and led.capacity == 2
+    led.clear()
+    assert led.records() == [] and led.summary().rows() == [] and led.dropped == 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "10", True])
+def test_bad_capacity(bad):
+    with pytest.raises(ValueError, match=f"ledger capacity must be a positive int, got {bad!r}"):
+        Ledger(capacity=bad)
+
+
+def test_records_filter_by_kind():
+    mg.put(np.ones(2), "dev1")
+    mg.transfer(mg.put(np.ones(2), "dev2"), "dev3")
+    assert [e.kind for e in mg.ledger().records("transfer")] == ["transfer"]
+    assert len(mg.ledger().records("put")) == 2
+
+
+def test_subscribers_see_every_event_and_can_unsubscribe():
+    seen = []
+    unsubscribe = mg.ledger().subscribe(seen.append)
+    mg.put(np.ones(3), "dev1")
+    mg.transfer(np.ones(3), "dev2")
+    mg.ledger().flush()
+    unsubscribe()
+    mg.put(np.ones(3), "dev1")
+    mg.ledger().flush()
+    assert [(e.kind, e.dst) for e in seen] == [("put", "dev1"), ("transfer", "dev2")]
+    unsubscribe()  # twice is harmless
+
+
+def test_a_raising_subscriber_is_logged_and_the_ledger_keeps_working(caplog):
+    def broken(event):
+        raise RuntimeError("widget fell over")
+
+    unsubscribe = mg.ledger().subscribe(broken)
+    try:
+        with caplog.at_level(logging.ERROR, logger="mgkit"):
+            mg.put(np.ones(3), "dev1")
+            mg.put(np.ones(3), "dev2")
+            assert len(mg.ledger().records()) == 2
+        assert "subscriber" in caplog.text and "widget fell over" in caplog.text
+    finally:
+        unsubscribe()
+
+
+def test_subscribe_needs_a_callable():
+    with pytest.raises(TypeError, match="subscribe\\(\\) takes a callable taking one Event, got 3"):
+        mg.ledger().subscribe(3)  # type: ignore[arg-type]
+
+
+def test_a_subscriber_may_read_the_ledger_without_deadlock():
+    sizes = []
+    unsubscribe = mg.ledger().subscribe(lambda e: sizes.append(len(mg.ledger().summary())))
+    try:
+        mg.put(np.ones(3), "dev1")
+        mg.ledger().flush(timeout=10)
+    finally:
+        unsubscribe()
+    assert sizes == [1]
+
+
+def test_copy_time_is_measured_off_the_callers_path():
+    led = Ledger()
+
+    @jax.jit
+    def slow(x):
+        return jax.lax.fori_loop(0, 60, lambda i, a: jnp.tanh(a @ a), x)
+
+    x = jnp.ones((512, 512)) / 512
+    slow(x).block_until_ready()  # compile
+    t0 = time.perf_counter()
+    y = slow(x)  # dispatched, still running
+    led.record_when_ready(_event(seconds=0.0), [y], t0)
+    returned = time.perf_counter() - t0
+    y.block_until_ready()
+    finished = time.perf_counter() - t0
+    assert led.flush(timeout=30)
+    (event,) = led.records()
+    assert returned < finished / 2
+    assert event.seconds >= finished * 0.5
+
+
+def test_many_threads_recording_at_once():
+    led = Ledger(capacity=100_000)
+
+    def work(k):
+        for i in range(2000):
+            led.record(_event(i, src=f"t{k}"))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(led) == 16_000
+    assert sorted(r[3] for r in led.summary().rows()) == [2000] * 8
+
+
+def test_label_is_the_ipython_execution_count():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("import numpy as np, mgkit as mg", store_history=True)
+        count = shell.execution_count
+        result = shell.run_cell("x = mg.put(np.ones(4), 'dev1')", store_history=True)
+        result.raise_error()
+        mg.ledger().flush()
+        assert [e.label for e in mg.ledger().records()] == [count]
+    finally:
+        InteractiveShell.clear_instance()
