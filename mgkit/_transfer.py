@@ -18,28 +18,38 @@ from ._ledger import Event, execution_label, ledger
 _HOST_TARGETS = ("cpu", "host")
 
 
-def _leaves(tree: Any, fn: str) -> tuple[list, Any, list[str]]:
+_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
+
+
+def _leaves(tree: Any, fn: str) -> tuple[list, Any]:
     """Flattens a pytree and checks every leaf is an array or a number."""
-    path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves, paths = [], []
-    for path, leaf in path_leaves:
-        where = jax.tree_util.keystr(path) or "(the value itself)"
-        if isinstance(leaf, (str, bytes)) or not (
-            isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number))
-        ):
-            raise TypeError(
-                f"{fn}: leaf {where} is a {type(leaf).__name__} ({_short(leaf)}), but only arrays "
-                "(numpy or JAX) and numbers can be placed on a device. Convert it with np.asarray(...) "
-                "or keep it out of the tree you pass."
-            )
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, _LEAF_TYPES) or (isinstance(leaf, np.ndarray) and leaf.dtype == object):
+            _reject(tree, fn)
+    return leaves, treedef
+
+
+def _paths(tree: Any) -> list[str]:
+    return [
+        jax.tree_util.keystr(p) or "(the value itself)" for p, _ in jax.tree_util.tree_leaves_with_path(tree)
+    ]
+
+
+def _reject(tree: Any, fn: str) -> None:
+    """Raises TypeError naming the first leaf that cannot be placed on a device."""
+    for where, leaf in zip(_paths(tree), jax.tree_util.tree_leaves(tree), strict=True):
         if isinstance(leaf, np.ndarray) and leaf.dtype == object:
             raise TypeError(
                 f"{fn}: leaf {where} is a numpy array of dtype object (shape {leaf.shape}), which "
                 "cannot live on a device; convert it to a numeric dtype, e.g. x.astype(np.float32)"
             )
-        leaves.append(leaf)
-        paths.append(where)
-    return leaves, treedef, paths
+        if not isinstance(leaf, _LEAF_TYPES):
+            raise TypeError(
+                f"{fn}: leaf {where} is a {type(leaf).__name__} ({_short(leaf)}), but only arrays "
+                "(numpy or JAX) and numbers can be placed on a device. Convert it with np.asarray(...) "
+                "or keep it out of the tree you pass."
+            )
 
 
 def _short(value: Any) -> str:
@@ -79,7 +89,7 @@ def _target(ctx: Any, fn: str) -> tuple[str, jax.Device | None]:
 
 def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
     name, device = _target(ctx, fn)
-    leaves, treedef, _ = _leaves(tree, fn)
+    leaves, treedef = _leaves(tree, fn)
     label = execution_label()
     # Group the leaves that actually move by where they come from: one event per source.
     groups: dict[tuple[str, str], list[int]] = {}
@@ -185,11 +195,11 @@ def colocate(*trees: Any, to: str | jax.Device) -> tuple:
 def where(tree: Any) -> str | dict:
     """The context a pytree lives on: one name when every leaf is on the same context, else a
     dict leaf path -> context name (``host`` for numpy)."""
-    leaves, _, paths = _leaves(tree, "where")
+    leaves, _ = _leaves(tree, "where")
     names = [_source(leaf)[0] for leaf in leaves]
     if len(set(names)) == 1:
         return names[0]
-    return dict(zip(paths, names, strict=True))
+    return dict(zip(_paths(tree), names, strict=True))
 
 
 def synchronize(ctx: str | jax.Device | None = None) -> None:
