@@ -1,0 +1,68 @@
+"""Every notebook in notebooks/ runs top to bottom on 8 simulated CPU devices, and none is
+committed with outputs."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+
+# Text a notebook's outputs must contain once executed, by file name.
+EXPECTED_OUTPUT = {
+    "01_contexts_and_transfers.ipynb": ["Mapped name dev0 to device cpu0"],
+}
+
+
+def _output_text(nb: nbformat.NotebookNode) -> str:
+    """All text the executed cells printed or displayed."""
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                parts.append(out.get("text", ""))
+            elif "data" in out:
+                parts.append(out["data"].get("text/plain", ""))
+            elif out.get("output_type") == "error":
+                parts.extend(out.get("traceback", []))
+    return "\n".join(parts)
+
+
+def test_notebooks_exist():
+    assert NOTEBOOKS, f"no notebooks found in {NOTEBOOKS_DIR}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path, monkeypatch):
+    monkeypatch.setenv("MGKIT_SIMULATE", "8")  # the kernel inherits the test's environment
+    monkeypatch.delenv("MGKIT_CONTEXTS", raising=False)
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=300,
+        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+    )
+    client.execute()  # a failing cell raises CellExecutionError, naming the cell and the error
+    text = _output_text(nb)
+    for expected in EXPECTED_OUTPUT.get(path.name, []):
+        assert expected in text, f"{path.name}: expected {expected!r} in the outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    dirty = [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
+    ]
+    assert not dirty, (
+        f"{path.name}: code cells {dirty} have outputs or execution counts; clear them before "
+        "committing (e.g. jupyter nbconvert --clear-output --inplace)"
+    )
