@@ -7,6 +7,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import jax
 
@@ -195,28 +196,28 @@ class ContextMap(Mapping[str, str]):
         return out
 
 
-class _State:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.map: ContextMap | None = None
-        self.devices: dict[str, jax.Device] = {}
-        self.by_device: dict[jax.Device, tuple[str, ...]] = {}
+class _Installed(NamedTuple):
+    map: ContextMap
+    devices: dict[str, jax.Device]
+    by_device: dict[jax.Device, tuple[str, ...]]
 
 
-_state = _State()
+_lock = threading.Lock()
+_installed: _Installed | None = None  # replaced whole, so readers need no lock
 _local = threading.local()
 
 
-def _install(cmap: ContextMap) -> dict[str, jax.Device]:
+def _install(cmap: ContextMap, only_if_none: bool = False) -> _Installed:
+    """Resolves a map's devices and makes it current (atomically: readers see old or new)."""
+    global _installed
     devs = cmap.devices()
     by_device: dict[jax.Device, list[str]] = {}
     for name, d in devs.items():
         by_device.setdefault(d, []).append(name)
-    with _state.lock:
-        _state.map = cmap
-        _state.devices = devs
-        _state.by_device = {d: tuple(ns) for d, ns in by_device.items()}
-    return devs
+    with _lock:
+        if not (only_if_none and _installed is not None):
+            _installed = _Installed(cmap, devs, {d: tuple(ns) for d, ns in by_device.items()})
+        return _installed
 
 
 def default_map() -> ContextMap:
@@ -250,26 +251,21 @@ def use_contexts(spec: str | ContextMap, verbose: bool = True) -> ContextMap:
     CpuDevice(id=1)
     """
     cmap = spec if isinstance(spec, ContextMap) else ContextMap.parse(spec)
-    devs = _install(cmap)
+    devs = _install(cmap).devices
     if verbose:
         for name, spec_name in cmap.items():
             print(f"Mapped name {name} to device {spec_name}: {_devices.describe(devs[name])}")
     return cmap
 
 
-def _ensure() -> tuple[ContextMap, dict[str, jax.Device]]:
-    with _state.lock:
-        if _state.map is not None:
-            return _state.map, _state.devices
-    _install(default_map())
-    with _state.lock:
-        assert _state.map is not None
-        return _state.map, _state.devices
+def _ensure() -> _Installed:
+    current = _installed
+    return current if current is not None else _install(default_map(), only_if_none=True)
 
 
 def context_map() -> ContextMap:
     """The current context map (the default one until ``use_contexts`` is called)."""
-    return _ensure()[0]
+    return _ensure().map
 
 
 def device_of(name: str | jax.Device) -> jax.Device:
@@ -284,7 +280,7 @@ def device_of(name: str | jax.Device) -> jax.Device:
             f"a context is a name such as 'dev0' (or a device name such as 'cpu1'), got "
             f"{type(name).__name__} {name!r}"
         )
-    cmap, devs = _ensure()
+    cmap, devs, _ = _ensure()
     if name in devs:
         return devs[name]
     if _devices.parse_device_spec(name):
@@ -300,8 +296,7 @@ def device_of(name: str | jax.Device) -> jax.Device:
 def name_of(device: jax.Device) -> str:
     """The context name for a device: the current scope's if it is on that device, else the
     first name mapped to it, else its short device name."""
-    _, _ = _ensure()
-    names = _state.by_device.get(device, ())
+    names = _ensure().by_device.get(device, ())
     if not names:
         return _devices.short_name(device)
     stack = getattr(_local, "stack", None)
@@ -363,18 +358,18 @@ def current() -> str | None:
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    _ensure()
+    by_device = _ensure().by_device
     dev = jax.config.jax_default_device
     if isinstance(dev, str):
         dev = jax.devices(dev)[0]
     if dev is None:
         dev = jax.devices()[0]
-    names = _state.by_device.get(dev, ())
+    names = by_device.get(dev, ())
     return names[0] if names else None
 
 
 def contexts_of(names: list[str] | tuple[str, ...] | None) -> dict[str, jax.Device]:
     """Resolves a list of context names (default: the current map's) to devices, in order."""
     if names is None:
-        return dict(_ensure()[1])
+        return dict(_ensure().devices)
     return {n: device_of(n) for n in names}

@@ -74,6 +74,7 @@ def simulate(n: int) -> None:
 
 def _clear_caches() -> None:
     _all_devices.cache_clear()
+    _names_by_device.cache_clear()
 
 
 class DeviceInfo(NamedTuple):
@@ -118,10 +119,13 @@ def all_devices() -> tuple[tuple[str, jax.Device], ...]:
 
 def short_name(device: jax.Device) -> str:
     """The stable short name of a device (``cpu3``, ``cuda0``)."""
-    for name, d in _all_devices():
-        if d == device:
-            return name
-    return str(device)
+    name = _names_by_device().get(device)
+    return name if name is not None else str(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _names_by_device() -> dict[jax.Device, str]:
+    return {d: name for name, d in _all_devices()}
 
 
 def device_names() -> list[str]:

@@ -7,14 +7,13 @@ durations are measured to completion by a watcher thread, so the caller never wa
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,8 +22,7 @@ from ._table import Table, html_table, human_bytes, text_table
 log = logging.getLogger("mgkit")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One thing mgkit did.
 
     Attributes:
@@ -35,7 +33,7 @@ class Event:
       start: wall-clock time the operation was issued (``time.time()``).
       seconds: time from issue to completion.
       label: the IPython execution count (``In [7]`` -> ``7``) when run in IPython, else None.
-      info: extra facts about the event (array count, shapes, samples...).
+      info: extra facts about the event (array count, shapes, samples...), or None.
     """
 
     kind: str
@@ -47,7 +45,7 @@ class Event:
     start: float
     seconds: float
     label: int | None = None
-    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    info: Mapping[str, Any] | None = None
 
     @property
     def gbps(self) -> float:
@@ -172,8 +170,15 @@ class Ledger:
                 log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
 
     def record_when_ready(self, event: Event, arrays: list, t0: float) -> None:
-        """Records ``event`` once ``arrays`` are ready, timing from ``t0`` (``perf_counter``)
-        to completion on a watcher thread; the caller does not wait."""
+        """Records ``event`` once ``arrays`` are ready, timed from ``t0`` (``time.perf_counter``)
+        to completion, without making the caller wait.
+
+        A copy that is already complete is timed and recorded at once; one still running is
+        handed to a watcher thread that waits for it.
+        """
+        if all(a.is_ready() for a in arrays):
+            self.record(event._replace(seconds=time.perf_counter() - t0))
+            return
         with self._lock:
             self._inflight += 1
             if self._watcher is None or not self._watcher.is_alive():
@@ -182,22 +187,26 @@ class Ledger:
         self._pending.put((event, arrays, t0))
 
     def _watch(self) -> None:
-        import jax
-
         while True:
-            event, arrays, t0 = self._pending.get()
+            batch = [self._pending.get()]
+            while not self._pending.empty():  # drain what queued up: one wake-up for many copies
+                batch.append(self._pending.get_nowait())
+            done = []
+            for event, arrays, t0 in batch:
+                try:
+                    for a in arrays:
+                        a.block_until_ready()
+                    done.append(event._replace(seconds=time.perf_counter() - t0))
+                except Exception as e:  # noqa: BLE001 - a failed copy is recorded, not lost
+                    info = {**(event.info or {}), "error": repr(e)}
+                    done.append(event._replace(seconds=time.perf_counter() - t0, info=info))
+            del batch, arrays
             try:
-                jax.block_until_ready(arrays)
-                seconds = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - a failed copy is recorded, not lost
-                seconds = time.perf_counter() - t0
-                event = dataclasses.replace(event, info={**event.info, "error": repr(e)})
-            del arrays
-            try:
-                self.record(dataclasses.replace(event, seconds=seconds))
+                for event in done:
+                    self.record(event)
             finally:
                 with self._lock:
-                    self._inflight -= 1
+                    self._inflight -= len(done)
                     if self._inflight == 0:
                         self._idle.notify_all()
 

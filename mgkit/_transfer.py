@@ -57,10 +57,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _nbytes(leaf: Any) -> int:
-    return int(getattr(leaf, "nbytes", None) or np.asarray(leaf).nbytes)
-
-
 def _source(leaf: Any) -> tuple[str, str, frozenset | None]:
     """(context name, device name, devices) for a leaf; host memory for numpy and numbers."""
     if isinstance(leaf, jax.Array):
@@ -107,33 +103,22 @@ def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
         moving = [leaves[i] for i in idx]
         start, t0 = time.time(), time.perf_counter()
         if device is None:
-            moved = jax.device_get(moving)
-            moved = [np.asarray(m) for m in moved]
+            moved = [np.asarray(m) for m in jax.device_get(moving)]
+            seconds = time.perf_counter() - t0
         else:
             moved = jax.device_put(moving, device)
+            seconds = 0.0
         for i, m in zip(idx, moved, strict=True):
             out[i] = m
+        nbytes = sum(m.nbytes for m in moved)
         event = Event(
-            kind=kind,
-            src=src_name,
-            dst=name,
-            src_device=src_dev,
-            dst_device=dst_dev,
-            nbytes=sum(_nbytes(x) for x in moving),
-            start=start,
-            seconds=0.0,
-            label=label,
-            info={"arrays": len(moving)},
+            kind, src_name, name, src_dev, dst_dev, nbytes, start, seconds, label, {"arrays": len(idx)}
         )
         if device is None:
-            ledger().record(Event(**{**_fields(event), "seconds": time.perf_counter() - t0}))
+            ledger().record(event)
         else:
             ledger().record_when_ready(event, moved, t0)
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _fields(event: Event) -> dict:
-    return {f: getattr(event, f) for f in event.__dataclass_fields__}
 
 
 def put(tree: Any, ctx: str | jax.Device) -> Any:
