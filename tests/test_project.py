@@ -72,14 +72,14 @@ def test_docstring_examples_run(module):
     assert result.failed == 0
 
 
+def _mgkit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Runs the `mgkit` command in a fresh process (its own device count)."""
+    cmd = [sys.executable, "-m", "mgkit._cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
 def test_mgkit_tour_runs_on_simulated_devices(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "mgkit._cli", "tour", "--mib", "4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    r = _mgkit("tour", "--mib", "4", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "running on simulated CPU devices" in out
@@ -88,16 +88,8 @@ def test_mgkit_tour_runs_on_simulated_devices(tmp_path):
 
 
 def test_mgkit_command_errors_are_one_line(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "mgkit._cli", "tour", "--contexts", "dev0->cuda0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    r = _mgkit("tour", "--contexts", "dev0->cuda0", cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.startswith("mgkit tour: error: context 'dev0' -> device 'cuda0' does not exist")
-    r = subprocess.run(
-        [sys.executable, "-m", "mgkit._cli", "tour", "--mib", "0"], capture_output=True, text=True
-    )
+    r = _mgkit("tour", "--mib", "0", cwd=tmp_path)
     assert r.returncode == 2 and "0 is not at least 1" in r.stderr
