@@ -285,10 +285,11 @@ def device_of(name: str | jax.Device) -> jax.Device:
         return devs[name]
     if _devices.parse_device_spec(name):
         return _devices.lookup_device(name)
+    known = _devices.device_names()
     raise ContextError(
         f"unknown context {name!r}; the contexts are {', '.join(cmap.names)} "
-        f"(map {str(cmap)!r}), and device names ({', '.join(_devices.device_names()[:8])}"
-        f"{', ...' if len(_devices.device_names()) > 8 else ''}) work too. "
+        f"(map {str(cmap)!r}), and device names ({', '.join(known[:8])}"
+        f"{', ...' if len(known) > 8 else ''}) work too. "
         f"To add it: mg.use_contexts('{cmap};{name}->cpu0')"
     )
 
@@ -366,10 +367,3 @@ def current() -> str | None:
         dev = jax.devices()[0]
     names = by_device.get(dev, ())
     return names[0] if names else None
-
-
-def contexts_of(names: list[str] | tuple[str, ...] | None) -> dict[str, jax.Device]:
-    """Resolves a list of context names (default: the current map's) to devices, in order."""
-    if names is None:
-        return dict(_ensure().devices)
-    return {n: device_of(n) for n in names}

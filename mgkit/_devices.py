@@ -132,10 +132,6 @@ def device_names() -> list[str]:
     return [name for name, _ in _all_devices()]
 
 
-def has_accelerator() -> bool:
-    return any(not name.startswith("cpu") for name, _ in _all_devices())
-
-
 def lookup_device(spec: str) -> jax.Device:
     """Finds the device a spec (``cpu``, ``cpu3``, ``cuda0``, ``gpu0``, ``tpu1``) names.
 

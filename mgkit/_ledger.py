@@ -83,9 +83,6 @@ class Summary(Table):
             for k, s, d, c, b, t in self._rows
         ]
 
-    def total_bytes(self) -> int:
-        return sum(r[4] for r in self._rows)
-
 
 class Matrix:
     """Bytes moved between every pair of contexts: ``values[i, j]`` from ``names[i]`` to ``names[j]``."""
