@@ -25,6 +25,13 @@ from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._ledger import Event as Event
 from ._ledger import Ledger as Ledger
 from ._ledger import ledger as ledger
+from ._parallel import Parallel as Parallel
+from ._parallel import concat as concat
+from ._parallel import make_parallel as make_parallel
+from ._parallel import parallel as parallel
+from ._parallel import pmap as pmap
+from ._parallel import run_each as run_each
+from ._parallel import split as split
 from ._transfer import colocate as colocate
 from ._transfer import put as put
 from ._transfer import synchronize as synchronize
@@ -44,15 +51,22 @@ __all__ = [
     "DeviceTable",
     "Event",
     "Ledger",
+    "Parallel",
     "colocate",
+    "concat",
     "context_map",
     "current",
     "device_of",
     "devices",
     "ledger",
+    "make_parallel",
     "on",
+    "parallel",
+    "pmap",
     "put",
+    "run_each",
     "simulate",
+    "split",
     "synchronize",
     "transfer",
     "use_contexts",

@@ -44,6 +44,12 @@ def simulate(n: int) -> None:
     Must run before the first JAX operation. Calling it again with the count already in
     effect does nothing; any other count after JAX started raises ``RuntimeError``.
 
+    Simulated devices share the host's cores, and XLA's CPU runtime can deadlock when two
+    programs with collectives (a ``psum``, the mean of a sharded array, a data-parallel
+    gradient) are in flight at once on a machine with few cores. In a training loop on
+    simulated devices, wait for each step, e.g. by reading its loss with ``float(loss)``;
+    ``mg.pmap`` waits for its own result on CPU devices. GPUs do not have this problem.
+
     Args:
       n: number of CPU devices, at least 1.
 

@@ -26,7 +26,8 @@ class Event(NamedTuple):
     """One thing mgkit did.
 
     Attributes:
-      kind: ``put``, ``transfer``, ``colocate`` (later also ``split``, ``concat``, ``step``...).
+      kind: ``put``, ``transfer``, ``colocate``, ``split``, ``replicate``, ``concat``, ``gather``
+        or ``run`` (one context's share of a parallel call).
       src, dst: context names (``host`` for host memory).
       src_device, dst_device: short device names (``cpu0``, ``cuda1``, ``host``).
       nbytes: bytes moved.
@@ -166,22 +167,26 @@ class Ledger:
             except Exception:
                 log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
 
-    def record_when_ready(self, event: Event, arrays: list, t0: float) -> None:
-        """Records ``event`` once ``arrays`` are ready, timed from ``t0`` (``time.perf_counter``)
-        to completion, without making the caller wait.
+    def record_when_ready(self, event: Event | list[Event], arrays: list, t0: float) -> None:
+        """Records ``event`` (or several events that share one completion) once ``arrays`` are
+        ready, timed from ``t0`` (``time.perf_counter``) to completion, without making the
+        caller wait.
 
-        A copy that is already complete is timed and recorded at once; one still running is
+        Work that is already complete is timed and recorded at once; work still running is
         handed to a watcher thread that waits for it.
         """
+        events = [event] if isinstance(event, Event) else event
         if all(a.is_ready() for a in arrays):
-            self.record(event._replace(seconds=time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            for e in events:
+                self.record(e._replace(seconds=seconds))
             return
         with self._lock:
-            self._inflight += 1
+            self._inflight += len(events)
             if self._watcher is None or not self._watcher.is_alive():
                 self._watcher = threading.Thread(target=self._watch, name="mgkit-ledger", daemon=True)
                 self._watcher.start()
-        self._pending.put((event, arrays, t0))
+        self._pending.put((events, arrays, t0))
 
     def _watch(self) -> None:
         while True:
@@ -189,14 +194,16 @@ class Ledger:
             while not self._pending.empty():  # drain what queued up: one wake-up for many copies
                 batch.append(self._pending.get_nowait())
             done = []
-            for event, arrays, t0 in batch:
+            for events, arrays, t0 in batch:
                 try:
                     for a in arrays:
                         a.block_until_ready()
-                    done.append(event._replace(seconds=time.perf_counter() - t0))
-                except Exception as e:  # noqa: BLE001 - a failed copy is recorded, not lost
-                    info = {**(event.info or {}), "error": repr(e)}
-                    done.append(event._replace(seconds=time.perf_counter() - t0, info=info))
+                    seconds, info = time.perf_counter() - t0, None
+                except Exception as e:  # noqa: BLE001 - failed work is recorded, not lost
+                    seconds, info = time.perf_counter() - t0, {"error": repr(e)}
+                for event in events:
+                    extra = {} if info is None else {"info": {**(event.info or {}), **info}}
+                    done.append(event._replace(seconds=seconds, **extra))
             del batch, arrays
             try:
                 for event in done:

@@ -21,7 +21,7 @@ _HOST_TARGETS = ("cpu", "host")
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
 
 
-def _leaves(tree: Any, fn: str) -> tuple[list, Any]:
+def leaves_of(tree: Any, fn: str) -> tuple[list, Any]:
     """Flattens a pytree and checks every leaf is an array or a number."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     for leaf in leaves:
@@ -69,7 +69,7 @@ def _source(leaf: Any) -> tuple[str, str, frozenset | None]:
     return HOST, HOST, None
 
 
-def _target(ctx: Any, fn: str) -> tuple[str, jax.Device | None]:
+def target(ctx: Any, fn: str) -> tuple[str, jax.Device | None]:
     """(name, device) for a target context; device None means host numpy."""
     if isinstance(ctx, str) and ctx in _HOST_TARGETS:
         return HOST, None
@@ -83,17 +83,32 @@ def _target(ctx: Any, fn: str) -> tuple[str, jax.Device | None]:
         raise TypeError(f"{fn}: {e}; use 'cpu' for host memory") from None
 
 
-def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
-    name, device = _target(ctx, fn)
-    leaves, treedef = _leaves(tree, fn)
+def concrete(leaf: Any) -> Any:
+    """The array behind a leaf: itself, the value under an eager ``jax.grad``, or None for an
+    abstract tracer (inside ``jax.jit`` or ``jax.vmap``, where nothing runs yet)."""
+    if isinstance(leaf, jax.core.Tracer):
+        return leaf.to_concrete_value()
+    return leaf
+
+
+def place(leaves: list, name: str, device: jax.Device | None, kind: str, info: dict | None = None) -> list:
+    """Moves a list of leaves to one device (None: host numpy), one ledger event per source.
+
+    Leaves already there are returned as they are. Inside ``jax.jit`` nothing is recorded: the
+    copy happens when the compiled program runs.
+    """
     label = execution_label()
     # Group the leaves that actually move by where they come from: one event per source.
     groups: dict[tuple[str, str], list[int]] = {}
     out = list(leaves)
     for i, leaf in enumerate(leaves):
-        src_name, src_dev, src_devices = _source(leaf)
+        value = concrete(leaf)
+        if value is None:  # traced: the copy happens when the compiled program runs
+            groups.setdefault(("", ""), []).append(i)
+            continue
+        src_name, src_dev, src_devices = _source(value)
         if device is None and src_devices is None:
-            out[i] = np.asarray(leaf)  # already host memory
+            out[i] = np.asarray(value)  # already host memory
             continue
         if device is not None and src_devices == frozenset((device,)):
             continue  # already there
@@ -110,15 +125,32 @@ def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
             seconds = 0.0
         for i, m in zip(idx, moved, strict=True):
             out[i] = m
+        if not src_name:
+            continue
         nbytes = sum(m.nbytes for m in moved)
         event = Event(
-            kind, src_name, name, src_dev, dst_dev, nbytes, start, seconds, label, {"arrays": len(idx)}
+            kind,
+            src_name,
+            name,
+            src_dev,
+            dst_dev,
+            nbytes,
+            start,
+            seconds,
+            label,
+            {"arrays": len(idx), **(info or {})},
         )
         if device is None:
             ledger().record(event)
         else:
-            ledger().record_when_ready(event, moved, t0)
-    return jax.tree_util.tree_unflatten(treedef, out)
+            ledger().record_when_ready(event, [concrete(m) for m in moved], t0)
+    return out
+
+
+def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
+    name, device = target(ctx, fn)
+    leaves, treedef = leaves_of(tree, fn)
+    return jax.tree_util.tree_unflatten(treedef, place(leaves, name, device, kind))
 
 
 def put(tree: Any, ctx: str | jax.Device) -> Any:
@@ -180,7 +212,7 @@ def colocate(*trees: Any, to: str | jax.Device) -> tuple:
 def where(tree: Any) -> str | dict:
     """The context a pytree lives on: one name when every leaf is on the same context, else a
     dict leaf path -> context name (``host`` for numpy)."""
-    leaves, _ = _leaves(tree, "where")
+    leaves, _ = leaves_of(tree, "where")
     names = [_source(leaf)[0] for leaf in leaves]
     if len(set(names)) == 1:
         return names[0]
@@ -195,7 +227,7 @@ def synchronize(ctx: str | jax.Device | None = None) -> None:
     if ctx is None:
         targets = None
     else:
-        _, device = _target(ctx, "synchronize")
+        _, device = target(ctx, "synchronize")
         if device is None:
             return
         targets = {device}

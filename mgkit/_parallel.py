@@ -1,0 +1,1088 @@
+"""Parallel ops: split a batch across contexts, run a function on each part, concatenate.
+
+One API, two execution paths:
+
+* **SPMD** — the contexts are distinct devices of one kind (``cuda0..cuda7``, or simulated
+  ``cpu0..cpu7``): one ``shard_map`` program over a mesh of those devices, compiled once.
+  A batch that does not divide evenly is padded by at most one row per part and trimmed.
+* **dispatch** — the contexts share a device, mix kinds (``cuda0`` with ``cpu0``), or weights
+  make the parts unequal: one compiled program per context, every context dispatched before
+  any is waited on, then the outputs are gathered.
+
+Both paths give ``fn`` applied to each context's part, concatenated; both are differentiable,
+with each part's backward pass on its own device. Every split, replicate, gather and run is
+recorded in the ledger.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import math
+import numbers
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _contexts, _devices
+from ._contexts import ContextMap
+from ._errors import ContextError
+from ._ledger import Event, execution_label, ledger
+from ._transfer import concrete, explain_incompatible, leaves_of, place, target
+
+AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
+_REDUCE_HINT = (
+    "For a reduction over the whole batch, reduce after the call (e.g. out.mean()) or use "
+    "mg.pmap(fn, axis_name='i') with jax.lax.psum inside; for a value that is the same on every "
+    "context, pass out_axes=None."
+)
+
+# -- contexts ------------------------------------------------------------------------------
+
+
+class Targets(NamedTuple):
+    """The contexts a parallel op runs on, resolved against the current map."""
+
+    names: tuple[str, ...]
+    devices: tuple[jax.Device, ...]
+    spmd: bool  # distinct devices of one kind: one SPMD program can span them
+
+    def describe(self) -> str:
+        return f"{len(self.names)} context(s): {', '.join(self.names)}"
+
+
+def resolve(contexts: Any, fn: str) -> Targets:
+    """Context names (None: every context in the map; an int n: the first n) -> Targets."""
+    cmap = _contexts.context_map()
+    if contexts is None:
+        spec: Any = None
+    elif isinstance(contexts, bool):
+        raise TypeError(f"{fn}: contexts={contexts!r}; pass context names, a count or None")
+    elif isinstance(contexts, numbers.Integral):
+        spec = int(contexts)
+    elif isinstance(contexts, str | jax.Device):
+        spec = (contexts,)
+    elif isinstance(contexts, ContextMap):
+        spec = tuple(contexts.names) if contexts == cmap else contexts
+    elif isinstance(contexts, Mapping | Sequence):
+        spec = tuple(contexts)
+    else:
+        raise TypeError(
+            f"{fn}: contexts must be a list of context names (e.g. {list(cmap.names[:2])}), a count "
+            f"or None for every context; got {type(contexts).__name__} {contexts!r}"
+        )
+    return _resolve(cmap, spec, fn)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve(cmap: ContextMap, spec: Any, fn: str) -> Targets:
+    if isinstance(spec, ContextMap):  # a map that is not installed: use its own devices
+        devs = spec.devices()
+        names, devices = tuple(devs), tuple(devs.values())
+    else:
+        if spec is None:
+            names = cmap.names
+        elif isinstance(spec, int):
+            if not 1 <= spec <= len(cmap):
+                raise ValueError(
+                    f"{fn}: contexts={spec}, but the map has {len(cmap)} context(s) ({cmap}); "
+                    f"pass a count from 1 to {len(cmap)}, or context names"
+                )
+            names = cmap.names[:spec]
+        else:
+            names = spec
+        if not names:
+            raise ValueError(
+                f"{fn}: the context list is empty; pass context names such as {list(cmap.names[:2])}, "
+                f"or contexts=None for every context in the map ({cmap})"
+            )
+        devices_list = []
+        for name in names:
+            try:
+                devices_list.append(_contexts.device_of(name))
+            except (ContextError, TypeError) as e:
+                raise type(e)(f"{fn}: {e}") from None
+        names = tuple(n if isinstance(n, str) else _contexts.name_of(n) for n in names)
+        devices = tuple(devices_list)
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"{fn}: context {repeated[0]!r} is listed more than once in {list(names)}; to run two "
+            f"parts on one device, map two names to it, e.g. mg.use_contexts('a->cpu0;b->cpu0')"
+        )
+    spmd = len(set(devices)) == len(devices) and len({d.platform for d in devices}) == 1
+    return Targets(names, devices, spmd)
+
+
+@functools.lru_cache(maxsize=64)
+def mesh(devices: tuple[jax.Device, ...], axis_name: str = AXIS) -> Mesh:
+    """A one-axis mesh over the devices, in order."""
+    return Mesh(np.array(devices, dtype=object), (axis_name,))
+
+
+# -- sizes ---------------------------------------------------------------------------------
+
+
+def check_weights(weights: Any, targets: Targets, fn: str) -> tuple[float, ...] | None:
+    """Validates weights (a sequence or a {context: weight} mapping) against the contexts."""
+    if weights is None:
+        return None
+    k = len(targets.names)
+    if isinstance(weights, Mapping):
+        unknown = [c for c in weights if c not in targets.names]
+        missing = [c for c in targets.names if c not in weights]
+        if unknown or missing:
+            raise ValueError(
+                f"{fn}: weights={dict(weights)!r} must have one entry per context ({targets.describe()}); "
+                + (f"unknown: {unknown}. " if unknown else "")
+                + (f"missing: {missing}." if missing else "")
+            )
+        weights = [weights[c] for c in targets.names]
+    elif isinstance(weights, str) or not isinstance(weights, Sequence | np.ndarray):
+        raise TypeError(
+            f"{fn}: weights must be a list of {k} non-negative numbers, one per context "
+            f"({targets.describe()}), got {type(weights).__name__} {weights!r}"
+        )
+    weights = list(np.asarray(weights).tolist()) if isinstance(weights, np.ndarray) else list(weights)
+    if len(weights) != k:
+        raise ValueError(
+            f"{fn}: weights has {len(weights)} entries ({weights!r}) but there are {targets.describe()}; "
+            f"pass one weight per context"
+        )
+    for c, w in zip(targets.names, weights, strict=True):
+        if isinstance(w, bool) or not isinstance(w, numbers.Real):
+            raise TypeError(f"{fn}: the weight for context {c!r} is {w!r}; weights must be numbers")
+        if not math.isfinite(w) or w < 0:
+            raise ValueError(
+                f"{fn}: the weight for context {c!r} is {w!r}; weights must be finite and >= 0 "
+                f"(a context with weight 0 gets no rows)"
+            )
+    if sum(weights) <= 0:
+        raise ValueError(
+            f"{fn}: weights {weights!r} are all zero; at least one context ({targets.describe()}) "
+            f"needs a positive weight"
+        )
+    return tuple(float(w) for w in weights)
+
+
+@functools.lru_cache(maxsize=1024)
+def shares(n: int, k: int, weights: tuple[float, ...] | None = None) -> tuple[int, ...]:
+    """Rows per part: proportional to the weights with largest-remainder rounding (ties to the
+    earlier part); without weights the sizes differ by at most one.
+
+    >>> shares(10, 4)
+    (3, 3, 2, 2)
+    >>> shares(10, 2, (3.0, 1.0))
+    (8, 2)
+    """
+    if weights is None:
+        return tuple(n // k + (i < n % k) for i in range(k))
+    total = sum(weights)
+    quotas = [n * w / total for w in weights]
+    sizes = [math.floor(q) for q in quotas]
+    order = sorted(range(k), key=lambda i: (sizes[i] - quotas[i], i))
+    for i in order[: n - sum(sizes)]:
+        sizes[i] += 1
+    return tuple(sizes)
+
+
+# -- batches and axes ----------------------------------------------------------------------
+
+
+class _Ax:
+    """An axis wrapped so that None survives tree flattening."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def leaf_axes(axes: Any, tree: Any, what: str, fn: str) -> list:
+    """One axis (int or None) per leaf of ``tree``, from an int, None or a pytree prefix."""
+    if axes is None or (isinstance(axes, int) and not isinstance(axes, bool)):
+        return [axes] * len(jax.tree_util.tree_leaves(tree))
+    try:
+        wrapped = jax.tree_util.tree_map(
+            lambda ax, sub: jax.tree_util.tree_map(lambda _: _Ax(ax), sub),
+            axes,
+            tree,
+            is_leaf=lambda x: x is None,
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{fn}: {what}={axes!r} does not match the structure of the values it describes "
+            f"({jax.tree_util.tree_structure(tree)}); give an int, None, or one entry per value. ({e})"
+        ) from None
+    out = [a.value for a in jax.tree_util.tree_leaves(wrapped, is_leaf=lambda x: isinstance(x, _Ax))]
+    for ax in out:
+        if ax is not None and (isinstance(ax, bool) or not isinstance(ax, int)):
+            raise TypeError(f"{fn}: {what}={axes!r} contains {ax!r}; each axis must be an int or None")
+    return out
+
+
+class Batch(NamedTuple):
+    """A flattened pytree of arguments, which leaves are split (and along which axis), rows."""
+
+    leaves: list
+    treedef: Any
+    axes: tuple  # per leaf: None (shared) or a non-negative axis
+    n: int
+    names: Callable[[int], str]  # leaf index -> readable name, for messages
+
+
+def describe(tree: Any, axes: Any, targets: Targets, fn: str, names: Callable[[int], str]) -> Batch:
+    """Flattens ``tree``, checks every split leaf has the same number of rows along its axis."""
+    leaves, treedef = leaves_of(tree, fn)
+    per_leaf = leaf_axes(axes, tree, "in_axes" if fn != "split" else "axis", fn)
+    norm = []
+    n, first = None, None
+    for i, (leaf, ax) in enumerate(zip(leaves, per_leaf, strict=True)):
+        if ax is None:
+            norm.append(None)
+            continue
+        shape = np.shape(leaf)
+        if not shape:
+            raise ValueError(
+                f"{fn}: {names(i)} is a scalar (shape ()), but it is split along axis {ax} across "
+                f"{targets.describe()}; pass a batch with a leading axis"
+                + ("" if fn == "split" else ", or mark it as shared on every context with in_axes=None")
+            )
+        if not -len(shape) <= ax < len(shape):
+            raise ValueError(
+                f"{fn}: axis {ax} is out of range for {names(i)} of shape {tuple(shape)} "
+                f"({len(shape)} dimension(s)); use an axis from {-len(shape)} to {len(shape) - 1}"
+            )
+        ax %= len(shape)
+        norm.append(ax)
+        if n is None:
+            n, first = shape[ax], i
+        elif shape[ax] != n:
+            raise ValueError(
+                f"{fn}: {names(i)} has {shape[ax]} rows along axis {ax} (shape {tuple(shape)}) but "
+                f"{names(first)} has {n} (shape {tuple(np.shape(leaves[first]))}); every split argument "
+                f"needs the same batch size to be split across {targets.describe()}"
+            )
+    if n is None:
+        raise ValueError(
+            f"{fn}: every argument is shared (in_axes is None for all of them), so there is no batch "
+            f"to split across {targets.describe()}; mark the batch argument with in_axes=0"
+        )
+    return Batch(leaves, treedef, tuple(norm), int(n), names)
+
+
+def _slice(leaf: Any, start: int, size: int, axis: int) -> Any:
+    if isinstance(leaf, np.ndarray | np.generic):
+        return leaf[(slice(None),) * axis + (slice(start, start + size),)]
+    return jax.lax.slice_in_dim(leaf, start, start + size, axis=axis)
+
+
+def _take(leaf: Any, index: np.ndarray, axis: int) -> Any:
+    if isinstance(leaf, np.ndarray | np.generic):
+        return np.take(leaf, index, axis=axis)
+    return jnp.take(leaf, index, axis=axis)
+
+
+def _row_bytes(leaf: Any, axis: int | None) -> int:
+    shape = np.shape(leaf)
+    size = math.prod(shape)
+    itemsize = np.dtype(jax.dtypes.canonicalize_dtype(_dtype(leaf))).itemsize
+    if axis is None:
+        return size * itemsize
+    return (size // shape[axis] if shape[axis] else math.prod(shape[:axis] + shape[axis + 1 :])) * itemsize
+
+
+def _dtype(leaf: Any) -> np.dtype:
+    dtype = getattr(leaf, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
+
+
+def _is_abstract(leaves: list) -> bool:
+    return any(isinstance(x, jax.core.Tracer) and x.to_concrete_value() is None for x in leaves)
+
+
+# -- split and concat ----------------------------------------------------------------------
+
+
+def split(tree: Any, contexts: Any = None, axis: int = 0, weights: Any = None) -> dict[str, Any]:
+    """Splits a pytree of batches along ``axis`` and places part i on context i.
+
+    Without weights the part sizes differ by at most one; with weights they are proportional
+    (largest-remainder rounding). Every part's rows are recorded in the ledger.
+
+    Args:
+      tree: a pytree of arrays that share their size along ``axis``.
+      contexts: context names, a count (the first n) or None for every context in the map.
+      axis: the axis to split.
+      weights: one non-negative number per context, or a {context: weight} mapping.
+
+    Returns:
+      An ordered dict context name -> part (the same tree structure) on that context.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> parts = mg.split(np.arange(5), weights=[3, 1])
+    >>> {k: v.tolist() for k, v in parts.items()}
+    {'a': [0, 1, 2, 3], 'b': [4]}
+    """
+    targets = resolve(contexts, "split")
+    batch = describe(tree, axis, targets, "split", lambda i: _tree_leaf_name(tree, i))
+    sizes = shares(batch.n, len(targets.names), check_weights(weights, targets, "split"))
+    parts: dict[str, Any] = {}
+    start = 0
+    for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
+        cut = [_slice(leaf, start, size, ax) for leaf, ax in zip(batch.leaves, batch.axes, strict=True)]
+        info = {"rows": size, "of": batch.n, "axis": axis}
+        parts[name] = jax.tree_util.tree_unflatten(batch.treedef, place(cut, name, device, "split", info))
+        start += size
+    return parts
+
+
+def _tree_leaf_name(tree: Any, i: int) -> str:
+    paths = jax.tree_util.tree_leaves_with_path(tree)
+    where = jax.tree_util.keystr(paths[i][0])
+    return f"leaf {where}" if where else "the array"
+
+
+def concat(parts: Mapping[str, Any] | Sequence[Any], to: Any = None, axis: int = 0) -> Any:
+    """Gathers parts onto one context and concatenates them along ``axis`` (inverse of split).
+
+    Args:
+      parts: a mapping context -> part (as ``split`` returns) or a sequence of parts; every part
+        has the same tree structure.
+      to: the target context; None means the first part's context, ``"cpu"`` host numpy.
+      axis: the axis to concatenate along.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> x = mg.concat(mg.split({"x": np.arange(6.0)}))
+    >>> mg.where(x), x["x"].tolist()
+    ('a', [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    """
+    if isinstance(parts, Mapping):
+        labels, trees = [f"part {k!r}" for k in parts], list(parts.values())
+        default = next(iter(parts), None)
+    elif isinstance(parts, Sequence) and not isinstance(parts, str):
+        labels, trees = [f"part {i}" for i in range(len(parts))], list(parts)
+        default = None
+    else:
+        raise TypeError(
+            f"concat: parts must be a mapping context -> part (as mg.split returns) or a list of parts, "
+            f"got {type(parts).__name__}"
+        )
+    if not trees:
+        raise ValueError("concat: no parts to concatenate; pass the mapping mg.split returned")
+    if to is None:
+        to = default if isinstance(default, str) else _first_context(trees[0])
+    name, device = target(to, "concat")
+    flat = [leaves_of(t, "concat") for t in trees]
+    treedef = flat[0][1]
+    for label, (_, td) in zip(labels[1:], flat[1:], strict=True):
+        if td != treedef:
+            raise ValueError(
+                f"concat: {label} has structure {td}, but {labels[0]} has {treedef}; every part "
+                "must have the same tree structure"
+            )
+    columns = list(zip(*(leaves for leaves, _ in flat), strict=True)) if treedef.num_leaves else []
+    for j, column in enumerate(columns):
+        _check_column(column, labels, axis, lambda j=j: _tree_leaf_name(trees[0], j))
+    moved = [place(leaves, name, device, "concat", {"axis": axis}) for leaves, _ in flat]
+    join = np.concatenate if device is None else jnp.concatenate
+    out = [join([m[j] for m in moved], axis=axis) for j in range(len(columns))]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _first_context(tree: Any) -> str:
+    leaves = jax.tree_util.tree_leaves(tree)
+    devs = leaves[0].devices() if leaves and isinstance(leaves[0], jax.Array) else None
+    if devs is None or len(devs) != 1:
+        raise ValueError("concat: the parts are not on one context each; say where to gather with to='dev0'")
+    return _contexts.name_of(next(iter(devs)))
+
+
+def _check_column(column: tuple, labels: list[str], axis: int, leaf_name: Callable[[], str]) -> None:
+    ref = np.shape(column[0])
+    ref_dtype = _dtype(column[0])
+    for label, leaf in zip(labels, column, strict=True):
+        shape = np.shape(leaf)
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(
+                f"concat: axis {axis} is out of range for {leaf_name()} of {label}, shape {tuple(shape)} "
+                f"({len(shape)} dimension(s))"
+            )
+        ax = axis % len(shape)
+        if len(shape) != len(ref) or shape[:ax] + shape[ax + 1 :] != ref[:ax] + ref[ax + 1 :]:
+            raise ValueError(
+                f"concat: {leaf_name()} of {label} has shape {tuple(shape)}, which does not match "
+                f"{tuple(ref)} of {labels[0]} outside axis {axis}"
+            )
+        if _dtype(leaf) != ref_dtype:
+            raise TypeError(
+                f"concat: {leaf_name()} of {label} has dtype {_dtype(leaf)}, but {labels[0]} "
+                f"has {ref_dtype}; cast the parts to one dtype first"
+            )
+
+
+# -- programs ------------------------------------------------------------------------------
+
+
+class _Cache:
+    """A small thread-safe LRU of compiled programs (keyed by function identity and layout)."""
+
+    def __init__(self, size: int = 256):
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+                return value
+        value = build()
+        with self._lock:
+            self._items[key] = value
+            if len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+
+_PROGRAMS = _Cache()
+
+
+def _fn_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _checked(fn: Callable, treedef: Any, axes: tuple, out_axes: Any, k: int, where: str) -> Callable:
+    """``fn`` over flat leaves; at trace time checks that each output has one row per input row."""
+
+    def run(*leaves):
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        out = fn(*args, **kwargs)
+        rows = next(np.shape(x)[ax] for x, ax in zip(leaves, axes, strict=True) if ax is not None)
+        _check_out(out, out_axes, rows, k, fn, where)
+        return out
+
+    return run
+
+
+def _check_out(out: Any, out_axes: Any, rows: int, k: int, fn: Callable, where: str) -> None:
+    out_leaves = jax.tree_util.tree_leaves(out)
+    for i, (leaf, ax) in enumerate(zip(out_leaves, leaf_axes(out_axes, out, "out_axes", where), strict=True)):
+        if ax is None:
+            continue
+        shape = np.shape(leaf)
+        label = _tree_leaf_name(out, i).replace("leaf ", "output ").replace("the array", "its output")
+        what = "a scalar (shape ())" if not shape else f"shape {tuple(shape)}"
+        if not -len(shape) <= ax < len(shape) or shape[ax] != rows:
+            raise ValueError(
+                f"{where}: {_fn_name(fn)} returned {what} for {label} on a part of {rows} rows "
+                f"({k} context(s)); the outputs are concatenated along axis {ax}, so each needs "
+                f"{rows} rows there. {_REDUCE_HINT}"
+            )
+
+
+def _out_specs(out_axes: Any, axis_name: str) -> Any:
+    def spec(ax):
+        return P() if ax is None else P(*([None] * ax), axis_name)
+
+    if out_axes is None or isinstance(out_axes, int):
+        return spec(out_axes)
+    return jax.tree_util.tree_map(spec, out_axes, is_leaf=lambda x: x is None)
+
+
+def _spmd_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, where: str) -> Callable:
+    key = ("spmd", fn, batch.treedef, batch.axes, _hashable(out_axes), targets.devices)
+
+    def build():
+        in_specs = tuple(P() if ax is None else P(*([None] * ax), AXIS) for ax in batch.axes)
+        body = _checked(fn, batch.treedef, batch.axes, out_axes, len(targets.devices), where)
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh(targets.devices),
+            in_specs=in_specs,
+            out_specs=_out_specs(out_axes, AXIS),
+            check_vma=False,
+        )
+        return jax.jit(mapped)
+
+    return _PROGRAMS.get(key, build)
+
+
+def _dispatch_program(fn: Callable, batch: Batch, out_axes: Any, k: int, where: str) -> Callable:
+    key = ("dispatch", fn, batch.treedef, batch.axes, _hashable(out_axes), k)
+    return _PROGRAMS.get(key, lambda: jax.jit(_checked(fn, batch.treedef, batch.axes, out_axes, k, where)))
+
+
+def _hashable(axes: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(axes, is_leaf=lambda x: x is None)
+    return (treedef, tuple(leaves))
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _padding(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(index that pads every part to the largest, positions of the real rows after padding)."""
+    s, n = max(sizes), sum(sizes)
+    index, keep, start = [], [], 0
+    for i, size in enumerate(sizes):
+        pad_row = start + size - 1 if size else n - 1
+        index.extend(range(start, start + size))
+        index.extend([pad_row] * (s - size))
+        keep.extend(range(i * s, i * s + size))
+        start += size
+    return np.asarray(index, dtype=np.int32), np.asarray(keep, dtype=np.int32)
+
+
+def place_spmd(batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS) -> list:
+    """Puts split leaves on the mesh, part i on device i (padded to equal parts when the sizes
+    differ), and shared leaves on every device. Leaves already laid out so are not moved."""
+    m = mesh(targets.devices, axis_name)
+    padded = len(set(sizes)) > 1
+    index = _padding(sizes)[0] if padded else None
+    staged = _is_abstract(batch.leaves)
+    out = list(batch.leaves)
+    moving, shardings, moves = [], [], []
+    for i, (leaf, ax) in enumerate(zip(batch.leaves, batch.axes, strict=True)):
+        spec = P() if ax is None else P(*([None] * ax), axis_name)
+        sharding = NamedSharding(m, spec)
+        value = concrete(leaf)
+        if (
+            not padded
+            and isinstance(value, jax.Array)
+            and value.sharding.is_equivalent_to(sharding, value.ndim)
+        ):
+            continue
+        if padded and ax is not None:
+            leaf = _take(leaf, index, ax)
+        moving.append(i)
+        out[i] = leaf
+        shardings.append(sharding)
+        if not staged:
+            moves.append((value, ax))
+    if not moving:
+        return out
+    start, t0 = time.time(), time.perf_counter()
+    placed = jax.device_put([out[i] for i in moving], shardings)
+    for i, p in zip(moving, placed, strict=True):
+        out[i] = p
+    if not staged:
+        events = _spmd_events(moves, targets, sizes, start)
+        ledger().record_when_ready(events, [concrete(p) for p in placed], t0)
+    return out
+
+
+def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:
+    """One event per (kind, source, context): the bytes that land on each context."""
+    from ._transfer import _source
+
+    label = execution_label()
+    totals: dict[tuple, list] = {}
+    for value, ax in moves:
+        src_name, src_dev, src_devices = _source(value)
+        per_row = _row_bytes(value, ax)
+        kind = "replicate" if ax is None else "split"
+        for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
+            if src_devices == frozenset((device,)):
+                continue  # this part is already there
+            nbytes = per_row if ax is None else per_row * size
+            key = (kind, src_name, src_dev, name, _devices.short_name(device))
+            entry = totals.setdefault(key, [0, 0, size])
+            entry[0] += nbytes
+            entry[1] += 1
+    return [
+        Event(
+            kind, s, d, sd, dd, nbytes, start, 0.0, label, {"arrays": count, "rows": rows, "of": sum(sizes)}
+        )
+        for (kind, s, sd, d, dd), (nbytes, count, rows) in totals.items()
+    ]
+
+
+def _run_events(
+    targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, start: float
+) -> list[Event]:
+    label = execution_label()
+    return [
+        Event(
+            "run",
+            name,
+            name,
+            dev,
+            dev,
+            0,
+            start,
+            0.0,
+            label,
+            {"fn": _fn_name(fn), "rows": size, "of": sum(sizes), "path": path},
+        )
+        for name, dev, size in zip(
+            targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
+        )
+        if size
+    ]
+
+
+def _explained(call: Callable, *args: Any) -> Any:
+    """Runs ``call``; JAX's incompatible-devices error comes back in context names."""
+    try:
+        return call(*args)
+    except ValueError as e:
+        better = explain_incompatible(e)
+        if better is None:
+            raise
+        raise better from e
+
+
+def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
+    """One SPMD program over the contexts' mesh; parts padded to equal size and trimmed."""
+    placed = place_spmd(batch, targets, sizes)
+    program = _spmd_program(fn, batch, out_axes, targets, where)
+    start, t0 = time.time(), time.perf_counter()
+    out = _explained(program, *placed)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+    if not _is_abstract(batch.leaves):
+        events = _run_events(targets, sizes, fn, "spmd", start)
+        ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
+    padded = len(set(sizes)) > 1
+    if not padded and to is None:
+        return out
+    keep = _padding(sizes)[1] if padded else None
+    axes = leaf_axes(out_axes, out, "out_axes", where)
+    name, device = target(targets.names[0] if to is None else to, where)
+    gathered = place(out_leaves, name, device, "gather", {"from": "+".join(targets.names)})
+    take = np.take if device is None else jnp.take
+    trimmed = [
+        x if (ax is None or keep is None) else take(x, keep, axis=ax)
+        for x, ax in zip(gathered, axes, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(out_tree, trimmed)
+
+
+def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
+    """One program per context with rows, all dispatched before any is waited on, then gathered."""
+    if _is_abstract(batch.leaves):
+        raise TypeError(
+            f"{where}: these contexts ({targets.describe()}) need one program per context, which "
+            "cannot be traced inside jax.jit or jax.vmap. Call it outside jit (mgkit compiles fn "
+            "for each context itself), or use distinct devices of one kind and an even split."
+        )
+    program = _dispatch_program(fn, batch, out_axes, len(targets.names), where)
+    active = [i for i, size in enumerate(sizes) if size] or [0]
+    outs, names = [], []
+    split_idx = [j for j, ax in enumerate(batch.axes) if ax is not None]
+    shared_idx = [j for j, ax in enumerate(batch.axes) if ax is None]
+    for i in active:
+        name, device, size = targets.names[i], targets.devices[i], sizes[i]
+        start = sum(sizes[:i])
+        cut = [_slice(batch.leaves[j], start, size, batch.axes[j]) for j in split_idx]
+        info = {"rows": size, "of": batch.n}
+        leaves = list(batch.leaves)
+        for j, v in zip(split_idx, place(cut, name, device, "split", info), strict=True):
+            leaves[j] = v
+        shared = place([batch.leaves[j] for j in shared_idx], name, device, "replicate")
+        for j, v in zip(shared_idx, shared, strict=True):
+            leaves[j] = v
+        begin, t0 = time.time(), time.perf_counter()
+        try:
+            out = _explained(program, *leaves)
+        except Exception as e:
+            e.add_note(f"mgkit: raised while running {_fn_name(fn)} on context {name!r} ({device})")
+            raise
+        events = _run_events(
+            targets._replace(names=(name,), devices=(device,)), (size,), fn, "dispatch", begin
+        )
+        ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+        outs.append(out)
+        names.append(name)
+    if len(outs) == 1 and to is None:
+        return outs[0]
+    first = jax.tree_util.tree_flatten(outs[0])
+    axes = leaf_axes(out_axes, outs[0], "out_axes", where)
+    gather_name, device = target(names[0] if to is None else to, where)
+    flat = [jax.tree_util.tree_leaves(o) for o in outs]
+    moved = [place(leaves, gather_name, device, "gather") for leaves in flat]
+    join = np.concatenate if device is None else jnp.concatenate
+    result = [
+        m0 if ax is None else join([m[j] for m in moved], axis=ax)
+        for j, (m0, ax) in enumerate(zip(moved[0], axes, strict=True))
+    ]
+    return jax.tree_util.tree_unflatten(first[1], result)
+
+
+def run(fn, batch, targets, sizes, out_axes, to, where) -> Any:
+    """Picks the execution path: SPMD when one program can span the contexts, else dispatch."""
+    if batch.n and targets.spmd and max(sizes) - min(sizes) <= 1:
+        return run_spmd(fn, batch, targets, sizes, out_axes, to, where)
+    return run_dispatch(fn, batch, targets, sizes, out_axes, to, where)
+
+
+# -- the public wrappers -------------------------------------------------------------------
+
+
+def _argument_names(fn: Callable, tree: tuple) -> Callable[[int], str]:
+    """Leaf index of ``(args, kwargs)`` -> "argument 'x'" (plus the path inside it)."""
+
+    def name(i: int) -> str:
+        path = jax.tree_util.tree_leaves_with_path(tree)[i][0]
+        group, key, rest = path[0].idx, path[1], path[2:]
+        if group == 1:
+            arg = repr(key.key)
+        else:
+            try:
+                params = list(inspect.signature(fn).parameters)
+            except (TypeError, ValueError):
+                params = []
+            arg = repr(params[key.idx]) if key.idx < len(params) else f"{key.idx}"
+            arg = f"{arg} (position {key.idx})" if params else f"at position {key.idx}"
+        inner = jax.tree_util.keystr(tuple(rest))
+        return f"argument {arg}" + (f", leaf {inner}" if inner else "")
+
+    return name
+
+
+def _check_axes(axes: Any, what: str, fn: str) -> None:
+    leaves = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: x is None)
+    for ax in leaves:
+        if ax is not None and (isinstance(ax, bool) or not isinstance(ax, int)):
+            raise TypeError(
+                f"{fn}: {what}={axes!r} contains {ax!r} ({type(ax).__name__}); each entry must be an "
+                f"int axis or None (shared on every context)"
+            )
+
+
+class Parallel:
+    """``fn`` split across contexts: call it like ``fn``; see :func:`parallel`."""
+
+    def __init__(self, fn, contexts=None, in_axes=0, out_axes=0, weights=None, balance=None, to=None):
+        if not callable(fn):
+            raise TypeError(f"parallel: fn must be callable, got {type(fn).__name__} {fn!r}")
+        if not (in_axes is None or isinstance(in_axes, int | tuple | list)) or isinstance(in_axes, bool):
+            raise TypeError(
+                f"parallel: in_axes={in_axes!r}; give an int, None, or a tuple with one entry per "
+                f"positional argument (e.g. in_axes=(None, 0) for shared parameters and a batch)"
+            )
+        _check_axes(in_axes, "in_axes", "parallel")
+        _check_axes(out_axes, "out_axes", "parallel")
+        if balance not in (None, "measured"):
+            raise ValueError(
+                f"parallel: balance={balance!r}; use None (even or weighted split) or 'measured'"
+            )
+        if balance is not None and weights is not None:
+            raise ValueError("parallel: give weights= or balance='measured', not both")
+        self.fn, self.contexts, self.in_axes, self.out_axes = fn, contexts, in_axes, out_axes
+        self.weights, self.balance, self.to = weights, balance, to
+        self._speeds: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def _batch(self, args: tuple, kwargs: dict, where: str) -> tuple[Batch, Targets]:
+        targets = resolve(self.contexts, where)
+        in_axes = self.in_axes
+        if isinstance(in_axes, tuple | list):
+            if len(in_axes) != len(args):
+                raise ValueError(
+                    f"{where}: in_axes={tuple(in_axes)!r} has {len(in_axes)} entries, but "
+                    f"{_fn_name(self.fn)} was called with {len(args)} positional argument(s); give one "
+                    f"entry per positional argument"
+                )
+            axes = tuple(in_axes)
+        else:
+            axes = (in_axes,) * len(args)
+        tree = (args, kwargs)
+        return describe(
+            tree, (axes, dict.fromkeys(kwargs, 0)), targets, where, _argument_names(self.fn, tree)
+        ), targets
+
+    def __call__(self, *args, **kwargs):
+        batch, targets = self._batch(args, kwargs, "parallel")
+        if self.balance == "measured":
+            speeds = self._measure(batch, targets)
+            weights = tuple(speeds[n] for n in targets.names)
+        else:
+            weights = check_weights(self.weights, targets, "parallel")
+        sizes = shares(batch.n, len(targets.names), weights)
+        return run(self.fn, batch, targets, sizes, self.out_axes, self.to, "parallel")
+
+    def speeds(self, *args, **kwargs) -> dict[str, float]:
+        """Rows per second of ``fn`` on each context, measured once per input shape (cached).
+
+        Each context runs its even share of the batch alone (after a warm-up call that compiles),
+        so the figures are comparable; ``balance='measured'`` splits by them.
+        """
+        batch, targets = self._batch(args, kwargs, "parallel")
+        return self._measure(batch, targets)
+
+    def _measure(self, batch: Batch, targets: Targets) -> dict[str, float]:
+        shapes = tuple((np.shape(x), _dtype(x)) for x in batch.leaves)
+        key = (targets.names, targets.devices, batch.treedef, batch.axes, shapes)
+        if key in self._speeds:
+            return self._speeds[key]
+        if _is_abstract(batch.leaves):
+            raise TypeError("parallel: balance='measured' times real calls; call it outside jax.jit first")
+        sizes = shares(batch.n, len(targets.names))
+        speeds = {}
+        for i, (name, device, size) in enumerate(zip(targets.names, targets.devices, sizes, strict=True)):
+            one = targets._replace(names=(name,), devices=(device,))
+            start = sum(sizes[:i])
+            cut = [
+                x if ax is None else _slice(x, start, size, ax)
+                for x, ax in zip(batch.leaves, batch.axes, strict=True)
+            ]
+            part = batch._replace(leaves=cut, n=size)
+            seconds = []
+            for _ in range(3):  # compile, then two timed calls; keep the faster
+                t0 = time.perf_counter()
+                jax.block_until_ready(
+                    run_dispatch(self.fn, part, one, (size,), self.out_axes, None, "parallel")
+                )
+                seconds.append(time.perf_counter() - t0)
+            speeds[name] = max(size, 1) / max(min(seconds[1:]), 1e-9)
+        self._speeds[key] = speeds
+        return speeds
+
+    def __repr__(self) -> str:
+        return (
+            f"mg.parallel({_fn_name(self.fn)}, contexts={self.contexts!r}, in_axes={self.in_axes!r}, "
+            f"out_axes={self.out_axes!r}, weights={self.weights!r}, balance={self.balance!r})"
+        )
+
+
+def parallel(
+    fn: Callable | None = None,
+    contexts: Any = None,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    weights: Any = None,
+    balance: str | None = None,
+    to: Any = None,
+) -> Any:
+    """Wraps ``fn`` so each call splits its batch across contexts and concatenates the outputs.
+
+    ``f = mg.parallel(fn)`` then ``f(*args)`` equals ``fn(*args)`` for a function whose outputs
+    have one row per input row, with part i computed on context i. Distinct devices of one kind
+    run one SPMD program; contexts that share a device or mix kinds run one program each,
+    dispatched together. Gradients flow through, each part's backward pass on its own device.
+
+    Args:
+      fn: the function; may be omitted to use ``@mg.parallel(in_axes=...)`` as a decorator.
+      contexts: context names, a count (the first n) or None for every context in the map.
+      in_axes: per positional argument, the axis to split or None for a value shared by every
+        context (parameters); an int applies to all. Keyword arguments are split along axis 0.
+      out_axes: the axis along which outputs are concatenated (None: the same on every context).
+      weights: relative share of the batch per context (largest-remainder rounding).
+      balance: ``"measured"`` times ``fn`` on each context once per input shape and splits by speed.
+      to: where the result goes. None leaves it where it was computed when JAX can hold it there
+        (an even split over distinct same-kind devices: one array sharded over the contexts),
+        else on the first context; ``"cpu"`` returns host numpy.
+
+    >>> import mgkit as mg, numpy as np, jax.numpy as jnp
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1;c->cpu2", verbose=False)
+    >>> f = mg.parallel(lambda w, x: x @ w, in_axes=(None, 0))
+    >>> f(jnp.ones((2, 1)), np.ones((5, 2))).ravel().tolist()
+    [2.0, 2.0, 2.0, 2.0, 2.0]
+    """
+    if fn is None:
+        return functools.partial(
+            parallel,
+            contexts=contexts,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            weights=weights,
+            balance=balance,
+            to=to,
+        )
+    return Parallel(fn, contexts, in_axes, out_axes, weights, balance, to)
+
+
+def make_parallel(fn: Callable, contexts: Any = None, **kwargs: Any) -> Any:
+    """TensorFlow's ``make_parallel``: every keyword argument is split along axis 0, ``fn`` runs on
+    each context with its parts, and the outputs are concatenated along axis 0.
+
+    Any batch size works, including sizes that do not divide by the number of contexts.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> c = mg.make_parallel(lambda a, b: a + b, a=np.ones(5), b=np.arange(5.0))
+    >>> c.tolist()
+    [1.0, 2.0, 3.0, 4.0, 5.0]
+    """
+    if not kwargs:
+        raise TypeError(
+            "make_parallel: no keyword arguments to split; pass the batches by name, "
+            "e.g. mg.make_parallel(model, x=x, y=y)"
+        )
+    return Parallel(fn, contexts)(**kwargs)
+
+
+def pmap(
+    fn: Callable, axis_name: str = "i", contexts: Any = None, in_axes: Any = 0, out_axes: Any = 0
+) -> Callable:
+    """``jax.pmap``'s semantics on ``jax.shard_map``: one slice of the mapped axis per context.
+
+    ``fn`` sees one slice (the mapped axis removed) and may use collectives over ``axis_name``
+    (``jax.lax.psum``, ``pmean``, ``all_gather``...). Outputs are stacked along ``out_axes``,
+    one slice per context, sharded over the contexts; ``out_axes=None`` returns a value that is
+    the same on every context (e.g. after ``psum``). The contexts must be distinct devices of
+    one kind, as for pmap.
+
+    >>> import mgkit as mg, numpy as np, jax
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> total = mg.pmap(lambda v: jax.lax.psum(v, "i"), out_axes=None)(np.array([1.0, 2.0]))
+    >>> float(total)
+    3.0
+    """
+    if not callable(fn):
+        raise TypeError(f"pmap: fn must be callable, got {type(fn).__name__} {fn!r}")
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(f"pmap: axis_name must be a non-empty str such as 'i', got {axis_name!r}")
+    _check_axes(in_axes, "in_axes", "pmap")
+    _check_axes(out_axes, "out_axes", "pmap")
+    wrapper = Parallel(fn, contexts, in_axes, out_axes)
+
+    @functools.wraps(fn)
+    def mapped(*args, **kwargs):
+        batch, targets = wrapper._batch(args, kwargs, "pmap")
+        k = len(targets.names)
+        if not targets.spmd:
+            kinds = ", ".join(
+                f"{n}->{_devices.short_name(d)}" for n, d in zip(targets.names, targets.devices, strict=True)
+            )
+            raise ValueError(
+                f"pmap: its contexts must be distinct devices of one kind, but {kinds} share a device or "
+                "mix kinds; choose such contexts with contexts=[...], or use mg.parallel, which runs on "
+                "any contexts"
+            )
+        if batch.n != k:
+            i = next(j for j, ax in enumerate(batch.axes) if ax is not None)
+            raise ValueError(
+                f"pmap: {batch.names(i)} has {batch.n} slices along axis {batch.axes[i]} (shape "
+                f"{tuple(np.shape(batch.leaves[i]))}), but there are {targets.describe()}; pmap takes "
+                f"exactly one slice per context (use mg.parallel to split a batch of any size)"
+            )
+        placed = place_spmd(batch, targets, (1,) * k, axis_name)
+        program = _PROGRAMS.get(
+            ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices),
+            lambda: _pmap_program(fn, batch, out_axes, targets, axis_name),
+        )
+        start, t0 = time.time(), time.perf_counter()
+        out = _explained(program, *placed)
+        if not _is_abstract(batch.leaves):
+            if targets.devices[0].platform == "cpu" and k > 1:
+                jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
+            events = _run_events(targets, (1,) * k, fn, "pmap", start)
+            ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+        return out
+
+    return mapped
+
+
+def _pmap_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, axis_name: str) -> Callable:
+    def body(*leaves):
+        leaves = [x if ax is None else jnp.squeeze(x, ax) for x, ax in zip(leaves, batch.axes, strict=True)]
+        args, kwargs = jax.tree_util.tree_unflatten(batch.treedef, leaves)
+        out = fn(*args, **kwargs)
+        axes = leaf_axes(out_axes, out, "out_axes", "pmap")
+        flat, tree = jax.tree_util.tree_flatten(out)
+        for x, ax in zip(flat, axes, strict=True):
+            if ax is not None and not 0 <= ax <= np.ndim(x):
+                raise ValueError(
+                    f"pmap: out_axes={out_axes!r} is out of range for an output of shape {np.shape(x)}"
+                )
+        stacked = [x if ax is None else jnp.expand_dims(x, ax) for x, ax in zip(flat, axes, strict=True)]
+        return jax.tree_util.tree_unflatten(tree, stacked)
+
+    in_specs = tuple(P() if ax is None else P(*([None] * ax), axis_name) for ax in batch.axes)
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh(targets.devices, axis_name),
+            in_specs=in_specs,
+            out_specs=_out_specs(out_axes, axis_name),
+        )
+    )
+
+
+def run_each(tasks: Mapping[str, Any]) -> dict[str, Any]:
+    """Runs one function per context, dispatching every context before waiting for any
+    (Theano's two dot products on two GPUs in one call).
+
+    Args:
+      tasks: context -> ``fn``, ``(fn, args)`` or ``(fn, args, kwargs)``. Arguments not yet on
+        that context are moved there (and recorded); ``fn`` runs inside ``mg.on(context)``.
+
+    Returns:
+      {context: result}, every result complete.
+
+    >>> import mgkit as mg, numpy as np, jax.numpy as jnp
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> r = mg.run_each({"a": (jnp.dot, (np.ones(3), np.ones(3))), "b": (jnp.sum, (np.ones(4),))})
+    >>> {k: float(v) for k, v in r.items()}, mg.where(r["b"])
+    ({'a': 3.0, 'b': 4.0}, 'b')
+    """
+    if not isinstance(tasks, Mapping):
+        raise TypeError(
+            f"run_each: tasks must be a dict context -> (fn, args), got {type(tasks).__name__}; "
+            "e.g. mg.run_each({'dev0': (jnp.dot, (a0, b0)), 'dev1': (jnp.dot, (a1, b1))})"
+        )
+    if not tasks:
+        raise ValueError("run_each: no tasks; pass {context: (fn, args), ...}")
+    plan = []
+    for ctx, task in tasks.items():
+        fn, args, kwargs = _task(ctx, task)
+        name, device = target(ctx, "run_each")
+        if device is None:
+            raise ContextError(
+                f"run_each: {ctx!r} is host memory, not a device context; name a context such as 'dev0'"
+            )
+        plan.append((ctx, name, device, fn, args, kwargs))
+    label = execution_label()
+    running = []
+    for ctx, name, device, fn, args, kwargs in plan:
+        leaves, treedef = leaves_of((args, kwargs), "run_each")
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, place(leaves, name, device, "transfer"))
+        start, t0 = time.time(), time.perf_counter()
+        try:
+            with _contexts.on(name if isinstance(ctx, str) else device):
+                out = fn(*args, **kwargs)
+        except Exception as e:
+            e.add_note(f"mgkit: raised by run_each's function for context {name!r} ({device})")
+            raise
+        running.append((ctx, name, device, fn, out, start, t0))
+    results = {}
+    for ctx, name, device, fn, out, start, t0 in running:
+        out = jax.block_until_ready(out)
+        dev = _devices.short_name(device)
+        info = {"fn": _fn_name(fn), "path": "run_each"}
+        ledger().record(Event("run", name, name, dev, dev, 0, start, time.perf_counter() - t0, label, info))
+        results[ctx] = out
+    return results
+
+
+def _task(ctx: Any, task: Any) -> tuple[Callable, tuple, dict]:
+    if callable(task):
+        return task, (), {}
+    if isinstance(task, tuple) and 1 <= len(task) <= 3 and callable(task[0]):
+        fn, args, kwargs = task[0], task[1] if len(task) > 1 else (), task[2] if len(task) > 2 else {}
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"run_each: the arguments for context {ctx!r} must be a tuple, got {type(args).__name__}; "
+                f"write ({_fn_name(fn)}, (x,)) for one argument"
+            )
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"run_each: the keyword arguments for context {ctx!r} must be a dict")
+        return fn, tuple(args), dict(kwargs)
+    raise TypeError(
+        f"run_each: the task for context {ctx!r} is {type(task).__name__} {task!r}; give fn, (fn, args) "
+        "or (fn, args, kwargs) with a callable fn"
+    )
