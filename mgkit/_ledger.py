@@ -80,7 +80,7 @@ class Summary(Table):
 
     def _display_rows(self) -> list[tuple]:
         return [
-            (k, s, d, c, human_bytes(b), f"{t:.6f}", f"{b / t / 1e9:.2f}" if t > 0 else "n/a")
+            (k, s, d, c, human_bytes(b), f"{t:.6f}", f"{b / t / 1e9:.2f}" if t > 0 and b else "n/a")
             for k, s, d, c, b, t in self._rows
         ]
 

@@ -241,7 +241,7 @@ class Batch(NamedTuple):
 
 def describe(tree: Any, axes: Any, targets: Targets, fn: str, names: Callable[[int], str]) -> Batch:
     """Flattens ``tree``, checks every split leaf has the same number of rows along its axis."""
-    leaves, treedef = leaves_of(tree, fn)
+    leaves, treedef = leaves_of(tree, fn, names)
     per_leaf = leaf_axes(axes, tree, "in_axes" if fn != "split" else "axis", fn)
     norm = []
     n, first = None, None
@@ -595,8 +595,8 @@ def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: f
         per_row = _row_bytes(value, ax)
         kind = "replicate" if ax is None else "split"
         for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
-            if src_devices == frozenset((device,)):
-                continue  # this part is already there
+            if src_devices == frozenset((device,)) or (ax is not None and not size):
+                continue  # this part is already there, or it has no rows
             nbytes = per_row if ax is None else per_row * size
             key = (kind, src_name, src_dev, name, _devices.short_name(device))
             entry = totals.setdefault(key, [0, 0, size])
@@ -698,7 +698,8 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
         try:
             out = _explained(program, *leaves)
         except Exception as e:
-            e.add_note(f"mgkit: raised while running {_fn_name(fn)} on context {name!r} ({device})")
+            where_run = f"context {name!r} ({_devices.short_name(device)})"
+            e.add_note(f"mgkit: raised while running {_fn_name(fn)} on {where_run}")
             raise
         events = _run_events(
             targets._replace(names=(name,), devices=(device,)), (size,), fn, "dispatch", begin
@@ -744,8 +745,7 @@ def _argument_names(fn: Callable, tree: tuple) -> Callable[[int], str]:
                 params = list(inspect.signature(fn).parameters)
             except (TypeError, ValueError):
                 params = []
-            arg = repr(params[key.idx]) if key.idx < len(params) else f"{key.idx}"
-            arg = f"{arg} (position {key.idx})" if params else f"at position {key.idx}"
+            arg = repr(params[key.idx]) if key.idx < len(params) else f"at position {key.idx}"
         inner = jax.tree_util.keystr(tuple(rest))
         return f"argument {arg}" + (f", leaf {inner}" if inner else "")
 
@@ -1056,7 +1056,9 @@ def run_each(tasks: Mapping[str, Any]) -> dict[str, Any]:
             with _contexts.on(name if isinstance(ctx, str) else device):
                 out = fn(*args, **kwargs)
         except Exception as e:
-            e.add_note(f"mgkit: raised by run_each's function for context {name!r} ({device})")
+            e.add_note(
+                f"mgkit: raised by run_each's function for context {name!r} ({_devices.short_name(device)})"
+            )
             raise
         running.append((ctx, name, device, fn, out, start, t0))
     results = {}

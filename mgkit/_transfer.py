@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,12 +22,16 @@ _HOST_TARGETS = ("cpu", "host")
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
 
 
-def leaves_of(tree: Any, fn: str) -> tuple[list, Any]:
-    """Flattens a pytree and checks every leaf is an array or a number."""
+def leaves_of(tree: Any, fn: str, names: Callable[[int], str] | None = None) -> tuple[list, Any]:
+    """Flattens a pytree and checks every leaf is an array or a number.
+
+    ``names`` maps a leaf index to how messages name it (default: ``leaf <path>``).
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    for leaf in leaves:
+    for i, leaf in enumerate(leaves):
         if not isinstance(leaf, _LEAF_TYPES) or (isinstance(leaf, np.ndarray) and leaf.dtype == object):
-            _reject(tree, fn)
+            where = names(i) if names else f"leaf {_paths(tree)[i]}"
+            _reject(leaf, where, fn)
     return leaves, treedef
 
 
@@ -36,20 +41,18 @@ def _paths(tree: Any) -> list[str]:
     ]
 
 
-def _reject(tree: Any, fn: str) -> None:
-    """Raises TypeError naming the first leaf that cannot be placed on a device."""
-    for where, leaf in zip(_paths(tree), jax.tree_util.tree_leaves(tree), strict=True):
-        if isinstance(leaf, np.ndarray) and leaf.dtype == object:
-            raise TypeError(
-                f"{fn}: leaf {where} is a numpy array of dtype object (shape {leaf.shape}), which "
-                "cannot live on a device; convert it to a numeric dtype, e.g. x.astype(np.float32)"
-            )
-        if not isinstance(leaf, _LEAF_TYPES):
-            raise TypeError(
-                f"{fn}: leaf {where} is a {type(leaf).__name__} ({_short(leaf)}), but only arrays "
-                "(numpy or JAX) and numbers can be placed on a device. Convert it with np.asarray(...) "
-                "or keep it out of the tree you pass."
-            )
+def _reject(leaf: Any, where: str, fn: str) -> None:
+    """Raises TypeError naming a leaf that cannot be placed on a device."""
+    if isinstance(leaf, np.ndarray) and leaf.dtype == object:
+        raise TypeError(
+            f"{fn}: {where} is a numpy array of dtype object (shape {leaf.shape}), which "
+            "cannot live on a device; convert it to a numeric dtype, e.g. x.astype(np.float32)"
+        )
+    raise TypeError(
+        f"{fn}: {where} is a {type(leaf).__name__} ({_short(leaf)}), but only arrays "
+        "(numpy or JAX) and numbers can be placed on a device. Convert it with np.asarray(...) "
+        "or keep it out of the tree you pass."
+    )
 
 
 def _short(value: Any) -> str:
