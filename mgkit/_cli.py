@@ -55,6 +55,20 @@ def tour(args: argparse.Namespace) -> int:
     print(f"placed {args.mib} MiB on {len(names)} context(s), moved arrays between {first} and {second},")
     print(f"summed on {first} ({total:.3f}) and brought {back.nbytes / 2**20:.0f} MiB back to the host")
     print(f"in {elapsed:.3f} s.\n")
+
+    # Seed 004: split a batch over every context, run a function on each part, concatenate.
+    batch = host[: 4 * len(names) + 3].reshape(-1, 1)  # a size that does not divide: exact anyway
+    w = jnp.linspace(-1.0, 1.0, 8).reshape(1, 8)
+    f = mg.parallel(lambda w, x: jnp.tanh(x @ w), in_axes=(None, 0))
+    t0 = time.perf_counter()
+    out = f(w, batch)
+    exact = np.allclose(np.asarray(out), np.tanh(batch @ np.asarray(w)), atol=1e-6)
+    rows = [e.info["rows"] for e in mg.ledger().records("run")]
+    print(
+        f"split a batch of {len(batch)} rows over {len(rows)} context(s) as {rows}, ran tanh(x @ w) on each,"
+    )
+    seconds = time.perf_counter() - t0
+    print(f"concatenated on {mg.where(out)}: equal to one device's result: {exact} ({seconds:.3f} s)\n")
     print(mg.ledger().summary())
     print()
     print(mg.ledger().matrix())

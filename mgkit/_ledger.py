@@ -73,6 +73,12 @@ def execution_label() -> int | None:
     return getattr(shell, "execution_count", None)
 
 
+def short_label(name: str) -> str:
+    """A compact label for an array over many contexts: ``dev0+dev1+...+dev7`` -> ``dev0..dev7 (8)``."""
+    parts = name.split("+")
+    return name if len(parts) <= 3 else f"{parts[0]}..{parts[-1]} ({len(parts)})"
+
+
 class Summary(Table):
     """Per source -> target pair totals: count, bytes, seconds, GB/s."""
 
@@ -80,7 +86,15 @@ class Summary(Table):
 
     def _display_rows(self) -> list[tuple]:
         return [
-            (k, s, d, c, human_bytes(b), f"{t:.6f}", f"{b / t / 1e9:.2f}" if t > 0 and b else "n/a")
+            (
+                k,
+                short_label(s),
+                short_label(d),
+                c,
+                human_bytes(b),
+                f"{t:.6f}",
+                f"{b / t / 1e9:.2f}" if t > 0 and b else "n/a",
+            )
             for k, s, d, c, b, t in self._rows
         ]
 
@@ -97,9 +111,10 @@ class Matrix:
         return int(self.values[self.names.index(src), self.names.index(dst)])
 
     def _rows(self) -> tuple[list[str], list[list[str]]]:
-        headers = ["from \\ to", *self.names]
+        headers = ["from \\ to", *map(short_label, self.names)]
         rows = [
-            [s, *(human_bytes(v) if v else "." for v in self.values[i])] for i, s in enumerate(self.names)
+            [short_label(s), *(human_bytes(v) if v else "." for v in self.values[i])]
+            for i, s in enumerate(self.names)
         ]
         return headers, rows
 
@@ -224,10 +239,12 @@ class Ledger:
     # -- reading ---------------------------------------------------------------------------
 
     def records(self, kind: str | None = None) -> list[Event]:
-        """The events kept in the ring buffer, oldest first (waits for events in flight)."""
+        """The events kept in the ring buffer in the order they were issued (waits for events in
+        flight; work that finishes out of order is still listed by start time)."""
         self.flush()
         with self._lock:
             events = list(self._events)
+        events.sort(key=lambda e: e.start)  # stable: events issued together keep their order
         return [e for e in events if kind is None or e.kind == kind]
 
     def summary(self) -> Summary:

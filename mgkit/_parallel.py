@@ -611,22 +611,13 @@ def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: f
 
 
 def _run_events(
-    targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, start: float
-) -> list[Event]:
+    targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, start: float, of: int
+) -> list:
+    """One ``run`` event per context with rows: its share of a call over ``of`` rows."""
     label = execution_label()
+    info = {"fn": _fn_name(fn), "of": of, "path": path}
     return [
-        Event(
-            "run",
-            name,
-            name,
-            dev,
-            dev,
-            0,
-            start,
-            0.0,
-            label,
-            {"fn": _fn_name(fn), "rows": size, "of": sum(sizes), "path": path},
-        )
+        Event("run", name, name, dev, dev, 0, start, 0.0, label, {**info, "rows": size})
         for name, dev, size in zip(
             targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
         )
@@ -653,7 +644,7 @@ def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     out = _explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if not _is_abstract(batch.leaves):
-        events = _run_events(targets, sizes, fn, "spmd", start)
+        events = _run_events(targets, sizes, fn, "spmd", start, batch.n)
         ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
     padded = len(set(sizes)) > 1
     if not padded and to is None:
@@ -701,9 +692,8 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
             where_run = f"context {name!r} ({_devices.short_name(device)})"
             e.add_note(f"mgkit: raised while running {_fn_name(fn)} on {where_run}")
             raise
-        events = _run_events(
-            targets._replace(names=(name,), devices=(device,)), (size,), fn, "dispatch", begin
-        )
+        one = targets._replace(names=(name,), devices=(device,))
+        events = _run_events(one, (size,), fn, "dispatch", begin, batch.n)
         ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
         outs.append(out)
         names.append(name)
@@ -980,7 +970,7 @@ def pmap(
         if not _is_abstract(batch.leaves):
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
-            events = _run_events(targets, (1,) * k, fn, "pmap", start)
+            events = _run_events(targets, (1,) * k, fn, "pmap", start, k)
             ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
         return out
 

@@ -13,6 +13,19 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 # Text a notebook's outputs must contain once executed, by file name.
 EXPECTED_OUTPUT = {
     "01_contexts_and_transfers.ipynb": ["Mapped name dev0 to device cpu0"],
+    "02_split_concat.ipynb": [
+        "Mapped name d7 to device cpu7",
+        "a + b on 4 contexts, exact: True",
+        "1001 rows on 4 contexts, exact: True",
+        "round trip exact: True",
+        "{'d0': 50, 'd1': 17, 'd2': 17, 'd3': 16}",
+        "gradients match",
+        "fitted w = [5.000, 0.000, 3.000]",
+        "ratio two / one:",
+        "psum over 8 contexts: 28.0",
+        "rows per context: {'d0': 750, 'd1': 250}",
+        "mgkit ledger:",
+    ],
 }
 
 
