@@ -164,23 +164,28 @@ class Ledger:
 
     def record(self, event: Event) -> None:
         """Appends a finished event and hands it to every subscriber."""
+        self._record_all((event,))
+
+    def _record_all(self, events) -> None:
         with self._lock:
-            if len(self._events) == self._events.maxlen:
-                self.dropped += 1
-            self._events.append(event)
-            key = (event.kind, event.src, event.dst)
-            tot = self._totals.get(key)
-            if tot is None:
-                tot = self._totals[key] = [0, 0, 0.0]
-            tot[0] += 1
-            tot[1] += event.nbytes
-            tot[2] += event.seconds
-            subscribers = list(self._subscribers)
-        for callback in subscribers:
-            try:
-                callback(event)
-            except Exception:
-                log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
+            for event in events:
+                if len(self._events) == self._events.maxlen:
+                    self.dropped += 1
+                self._events.append(event)
+                key = (event.kind, event.src, event.dst)
+                tot = self._totals.get(key)
+                if tot is None:
+                    tot = self._totals[key] = [0, 0, 0.0]
+                tot[0] += 1
+                tot[1] += event.nbytes
+                tot[2] += event.seconds
+            subscribers = list(self._subscribers) if self._subscribers else ()
+        for event in events if subscribers else ():
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
 
     def record_when_ready(self, event: Event | list[Event], arrays: list, t0: float) -> None:
         """Records ``event`` (or several events that share one completion) once ``arrays`` are
@@ -193,8 +198,7 @@ class Ledger:
         events = [event] if isinstance(event, Event) else event
         if all(a.is_ready() for a in arrays):
             seconds = time.perf_counter() - t0
-            for e in events:
-                self.record(e._replace(seconds=seconds))
+            self._record_all([e._replace(seconds=seconds) for e in events])
             return
         with self._lock:
             self._inflight += len(events)
@@ -221,8 +225,7 @@ class Ledger:
                     done.append(event._replace(seconds=seconds, **extra))
             del batch, arrays
             try:
-                for event in done:
-                    self.record(event)
+                self._record_all(done)
             finally:
                 with self._lock:
                     self._inflight -= len(done)

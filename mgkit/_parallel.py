@@ -210,6 +210,11 @@ def leaf_axes(axes: Any, tree: Any, what: str, fn: str) -> list:
     """One axis (int or None) per leaf of ``tree``, from an int, None or a pytree prefix."""
     if axes is None or (isinstance(axes, int) and not isinstance(axes, bool)):
         return [axes] * len(jax.tree_util.tree_leaves(tree))
+    key = (jax.tree_util.tree_structure(tree), _hashable(axes))
+    return list(_AXES.get(key, lambda: _leaf_axes(axes, tree, what, fn)))
+
+
+def _leaf_axes(axes: Any, tree: Any, what: str, fn: str) -> tuple:
     try:
         wrapped = jax.tree_util.tree_map(
             lambda ax, sub: jax.tree_util.tree_map(lambda _: _Ax(ax), sub),
@@ -226,7 +231,7 @@ def leaf_axes(axes: Any, tree: Any, what: str, fn: str) -> list:
     for ax in out:
         if ax is not None and (isinstance(ax, bool) or not isinstance(ax, int)):
             raise TypeError(f"{fn}: {what}={axes!r} contains {ax!r}; each axis must be an int or None")
-    return out
+    return tuple(out)
 
 
 class Batch(NamedTuple):
@@ -289,15 +294,6 @@ def _take(leaf: Any, index: np.ndarray, axis: int) -> Any:
     if isinstance(leaf, np.ndarray | np.generic):
         return np.take(leaf, index, axis=axis)
     return jnp.take(leaf, index, axis=axis)
-
-
-def _row_bytes(leaf: Any, axis: int | None) -> int:
-    shape = np.shape(leaf)
-    size = math.prod(shape)
-    itemsize = np.dtype(jax.dtypes.canonicalize_dtype(_dtype(leaf))).itemsize
-    if axis is None:
-        return size * itemsize
-    return (size // shape[axis] if shape[axis] else math.prod(shape[:axis] + shape[axis + 1 :])) * itemsize
 
 
 def _dtype(leaf: Any) -> np.dtype:
@@ -457,6 +453,8 @@ class _Cache:
 
 
 _PROGRAMS = _Cache()
+_AXES = _Cache(1024)  # (tree structure, axes) -> one axis per leaf
+_MAKE = _Cache()  # (fn, contexts) -> the Parallel that make_parallel reuses
 
 
 def _fn_name(fn: Callable) -> str:
@@ -506,6 +504,7 @@ def _spmd_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, w
 
     def build():
         in_specs = tuple(P() if ax is None else P(*([None] * ax), AXIS) for ax in batch.axes)
+        in_shardings = tuple(_sharding(targets.devices, AXIS, ax) for ax in batch.axes)
         body = _checked(fn, batch.treedef, batch.axes, out_axes, len(targets.devices), where)
         mapped = jax.shard_map(
             body,
@@ -514,7 +513,7 @@ def _spmd_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, w
             out_specs=_out_specs(out_axes, AXIS),
             check_vma=False,
         )
-        return jax.jit(mapped)
+        return jax.jit(mapped, in_shardings=in_shardings)
 
     return _PROGRAMS.get(key, build)
 
@@ -546,67 +545,96 @@ def _padding(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(index, dtype=np.int32), np.asarray(keep, dtype=np.int32)
 
 
-def place_spmd(batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS) -> list:
-    """Puts split leaves on the mesh, part i on device i (padded to equal parts when the sizes
-    differ), and shared leaves on every device. Leaves already laid out so are not moved."""
-    m = mesh(targets.devices, axis_name)
+@functools.lru_cache(maxsize=1024)
+def _sharding(devices: tuple[jax.Device, ...], axis_name: str, ax: int | None) -> NamedSharding:
+    return NamedSharding(mesh(devices, axis_name), P() if ax is None else P(*([None] * ax), axis_name))
+
+
+def place_spmd(
+    batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS
+) -> tuple[list, list[Event]]:
+    """Lays the leaves out for one SPMD program: split leaves part i on device i (padded to
+    equal parts when the sizes differ), shared leaves on every device.
+
+    Device arrays are moved here, and recorded; host arrays are left for the program's call to
+    copy straight to every device (faster than a separate put), and their events are returned
+    so the caller records them when the program's outputs are ready. Leaves already laid out
+    are not moved.
+    """
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
     staged = _is_abstract(batch.leaves)
     out = list(batch.leaves)
-    moving, shardings, moves = [], [], []
+    moving, shardings, moves, host_moves = [], [], [], []
     for i, (leaf, ax) in enumerate(zip(batch.leaves, batch.axes, strict=True)):
-        spec = P() if ax is None else P(*([None] * ax), axis_name)
-        sharding = NamedSharding(m, spec)
         value = concrete(leaf)
+        if padded and ax is not None:
+            out[i] = _take(leaf, index, ax)
+        if isinstance(value, _HOST_TYPES):
+            if not staged:
+                host_moves.append((value, ax))
+            continue
+        sharding = _sharding(targets.devices, axis_name, ax)
         if (
             not padded
             and isinstance(value, jax.Array)
             and value.sharding.is_equivalent_to(sharding, value.ndim)
         ):
             continue
-        if padded and ax is not None:
-            leaf = _take(leaf, index, ax)
         moving.append(i)
-        out[i] = leaf
         shardings.append(sharding)
         if not staged:
             moves.append((value, ax))
-    if not moving:
-        return out
-    start, t0 = time.time(), time.perf_counter()
-    placed = jax.device_put([out[i] for i in moving], shardings)
-    for i, p in zip(moving, placed, strict=True):
-        out[i] = p
-    if not staged:
-        events = _spmd_events(moves, targets, sizes, start)
-        ledger().record_when_ready(events, [concrete(p) for p in placed], t0)
-    return out
+    start = time.time()
+    if moving:
+        t0 = time.perf_counter()
+        placed = jax.device_put([out[i] for i in moving], shardings)
+        for i, p in zip(moving, placed, strict=True):
+            out[i] = p
+        if not staged:
+            events = _spmd_events(moves, targets, sizes, start)
+            ledger().record_when_ready(events, [concrete(p) for p in placed], t0)
+    return out, _spmd_events(host_moves, targets, sizes, start) if host_moves else []
+
+
+_HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
 
 
 def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:
     """One event per (kind, source, context): the bytes that land on each context."""
     from ._transfer import _source
 
-    label = execution_label()
-    totals: dict[tuple, list] = {}
+    layout = []
     for value, ax in moves:
         src_name, src_dev, src_devices = _source(value)
-        per_row = _row_bytes(value, ax)
+        layout.append((src_name, src_dev, src_devices, np.shape(value), _dtype(value), ax))
+    label = execution_label()
+    return [
+        Event(*head, start, 0.0, label, info) for *head, info in _spmd_layout(targets, sizes, tuple(layout))
+    ]
+
+
+@functools.lru_cache(maxsize=1024)
+def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> list[tuple]:
+    """(kind, src, dst, src_device, dst_device, nbytes, info) per (kind, source, context)."""
+    totals: dict[tuple, list] = {}
+    for src_name, src_dev, src_devices, shape, dtype, ax in layout:
+        itemsize = np.dtype(jax.dtypes.canonicalize_dtype(dtype)).itemsize
+        per_row = (
+            math.prod(shape) * itemsize if ax is None else math.prod(shape[:ax] + shape[ax + 1 :]) * itemsize
+        )
         kind = "replicate" if ax is None else "split"
         for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
             if src_devices == frozenset((device,)) or (ax is not None and not size):
                 continue  # this part is already there, or it has no rows
-            nbytes = per_row if ax is None else per_row * size
-            key = (kind, src_name, src_dev, name, _devices.short_name(device))
+            key = (kind, src_name, name, src_dev, _devices.short_name(device))
             entry = totals.setdefault(key, [0, 0, size])
-            entry[0] += nbytes
+            entry[0] += per_row if ax is None else per_row * size
             entry[1] += 1
+    of = sum(sizes)
     return [
-        Event(
-            kind, s, d, sd, dd, nbytes, start, 0.0, label, {"arrays": count, "rows": rows, "of": sum(sizes)}
-        )
-        for (kind, s, sd, d, dd), (nbytes, count, rows) in totals.items()
+        (*key, nbytes, {"arrays": count, "rows": rows, "of": of})
+        for key, (nbytes, count, rows) in totals.items()
     ]
 
 
@@ -615,9 +643,16 @@ def _run_events(
 ) -> list:
     """One ``run`` event per context with rows: its share of a call over ``of`` rows."""
     label = execution_label()
-    info = {"fn": _fn_name(fn), "of": of, "path": path}
     return [
-        Event("run", name, name, dev, dev, 0, start, 0.0, label, {**info, "rows": size})
+        Event(*head, start, 0.0, label, info)
+        for *head, info in _run_layout(targets, sizes, _fn_name(fn), path, of)
+    ]
+
+
+@functools.lru_cache(maxsize=1024)
+def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> list[tuple]:
+    return [
+        ("run", name, name, dev, dev, 0, {"fn": fn, "of": of, "path": path, "rows": size})
         for name, dev, size in zip(
             targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
         )
@@ -638,13 +673,13 @@ def _explained(call: Callable, *args: Any) -> Any:
 
 def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     """One SPMD program over the contexts' mesh; parts padded to equal size and trimmed."""
-    placed = place_spmd(batch, targets, sizes)
+    placed, host_events = place_spmd(batch, targets, sizes)
     program = _spmd_program(fn, batch, out_axes, targets, where)
     start, t0 = time.time(), time.perf_counter()
     out = _explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if not _is_abstract(batch.leaves):
-        events = _run_events(targets, sizes, fn, "spmd", start, batch.n)
+        events = host_events + _run_events(targets, sizes, fn, "spmd", start, batch.n)
         ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
     padded = len(set(sizes)) > 1
     if not padded and to is None:
@@ -912,7 +947,11 @@ def make_parallel(fn: Callable, contexts: Any = None, **kwargs: Any) -> Any:
             "make_parallel: no keyword arguments to split; pass the batches by name, "
             "e.g. mg.make_parallel(model, x=x, y=y)"
         )
-    return Parallel(fn, contexts)(**kwargs)
+    try:
+        wrapper = _MAKE.get((fn, contexts), lambda: Parallel(fn, contexts))
+    except TypeError:  # unhashable contexts (a list): no reuse
+        wrapper = Parallel(fn, contexts)
+    return wrapper(**kwargs)
 
 
 def pmap(
@@ -960,7 +999,7 @@ def pmap(
                 f"{tuple(np.shape(batch.leaves[i]))}), but there are {targets.describe()}; pmap takes "
                 f"exactly one slice per context (use mg.parallel to split a batch of any size)"
             )
-        placed = place_spmd(batch, targets, (1,) * k, axis_name)
+        placed, host_events = place_spmd(batch, targets, (1,) * k, axis_name)
         program = _PROGRAMS.get(
             ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices),
             lambda: _pmap_program(fn, batch, out_axes, targets, axis_name),
@@ -970,7 +1009,7 @@ def pmap(
         if not _is_abstract(batch.leaves):
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
-            events = _run_events(targets, (1,) * k, fn, "pmap", start, k)
+            events = host_events + _run_events(targets, (1,) * k, fn, "pmap", start, k)
             ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
         return out
 
@@ -999,7 +1038,8 @@ def _pmap_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, a
             mesh=mesh(targets.devices, axis_name),
             in_specs=in_specs,
             out_specs=_out_specs(out_axes, axis_name),
-        )
+        ),
+        in_shardings=tuple(_sharding(targets.devices, axis_name, ax) for ax in batch.axes),
     )
 
 
