@@ -52,12 +52,12 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _stats import TRIM, median, quartiles, trimmed_mean
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
 
-TRIM = 0.10
 POOL = 3  # host batches to rotate through in (a), so one call does not warm the cache for the next
 # Share of the --seconds budget each case gets.
 BUDGET = {"a": 0.30, "b": 0.20, "c": 0.35, "d": 0.15}
@@ -100,25 +100,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.profile < 0:
         p.error("--profile must be >= 0")
     return args
-
-
-# -- statistics ---------------------------------------------------------------------------------
-
-
-def _median(xs: list[float]) -> float:
-    return float(np.median(xs))
-
-
-def _trimmed_mean(xs: list[float], trim: float = TRIM) -> float:
-    s = sorted(xs)
-    k = int(len(s) * trim)
-    core = s[k : len(s) - k] or s
-    return sum(core) / len(core)
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    q1, q3 = np.percentile(xs, [25, 75])
-    return float(q1), float(q3)
 
 
 def _paired(a: list[float], b: list[float]) -> list[float]:
@@ -232,7 +213,7 @@ class Row:
 
     @property
     def time_ratio(self) -> float:
-        return _median(self.mg.times) / _median(self.peer.times)
+        return median(self.mg.times) / median(self.peer.times)
 
     @property
     def goal_ratio(self) -> float:
@@ -360,13 +341,13 @@ class Bench:
             )
         self.notes.append(
             f"{case}: with an inline lambda (a new function each call) every call compiles: "
-            f"mgkit {_duration(_median(fresh_mg))}, jax.jit {_duration(_median(fresh_jx))} per call, "
-            f"vs {_duration(_median(mgv.times))} with the function defined once"
+            f"mgkit {_duration(median(fresh_mg))}, jax.jit {_duration(median(fresh_jx))} per call, "
+            f"vs {_duration(median(mgv.times))} with the function defined once"
         )
         _close_case(case, counter, self.checks)
         row = Row(case, mgv, jxv, ("<=", 1.2), rounds)
         row.events_per_call = self.checks[-1].events / max(counter.calls, 1)
-        return row, npv, _median(flushes)
+        return row, npv, median(flushes)
 
     def sgemm(self) -> tuple[list[Row], Variant]:
         """(c) A sharded sgemm, inputs already placed: GFLOP/s of mgkit and of jax."""
@@ -546,16 +527,16 @@ def _compare_rows(rows: list[Row]) -> list[list[str]]:
         throughput = r.goal is not None and r.goal[0] == ">="
         if throughput:  # the goal is on peer time / mgkit time: show the paired ratios that way too
             paired = [1.0 / p for p in paired]
-        q1, q3 = _quartiles(paired)
-        trim = _trimmed_mean(r.mg.times) / _trimmed_mean(r.peer.times)
+        q1, q3 = quartiles(paired)
+        trim = trimmed_mean(r.mg.times) / trimmed_mean(r.peer.times)
         met = r.met()
         out.append(
             [
                 r.case,
-                _duration(_median(r.mg.times)),
-                _duration(_median(r.peer.times)),
+                _duration(median(r.mg.times)),
+                _duration(median(r.peer.times)),
                 ("jax/mgkit " if throughput else "mgkit/jax ") + f"{r.goal_ratio:.3f}",
-                f"{_median(paired):.3f} [{q1:.3f}-{q3:.3f}]",
+                f"{median(paired):.3f} [{q1:.3f}-{q3:.3f}]",
                 f"{(1.0 / trim if throughput else trim):.3f}",
                 _goal_text(r),
                 "-" if met is None else ("yes" if met else "NO"),
@@ -574,7 +555,7 @@ def _load() -> str:
 
 
 def _gflops(flops: float, seconds: list[float]) -> str:
-    return f"{flops / _median(seconds) / 1e9:.1f}"
+    return f"{flops / median(seconds) / 1e9:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -634,12 +615,12 @@ def main(argv: list[str] | None = None) -> int:
         f"    compute: mgkit {_gflops(row_a.flops, row_a.mg.times)} GFLOP/s, "
         f"jax {_gflops(row_a.flops, row_a.peer.times)} GFLOP/s"
     )
-    ref = _median(ref_b.times)
+    ref = median(ref_b.times)
     print(f"(b) {args.devices} x 4 float32 host arrays, {TINY_BLOCK} calls per timed block")
     print(f"    mgkit: {row_b.mg.label}; jax: {row_b.peer.label}")
     print(
-        f"    mgkit overhead {(_median(row_b.mg.times) - _median(row_b.peer.times)) * 1e6:+.1f} us per call; "
-        f"reference {ref_b.label}: {_duration(ref)} (mgkit/that {_median(row_b.mg.times) / ref:.3f})"
+        f"    mgkit overhead {(median(row_b.mg.times) - median(row_b.peer.times)) * 1e6:+.1f} us per call; "
+        f"reference {ref_b.label}: {_duration(ref)} (mgkit/that {median(row_b.mg.times) / ref:.3f})"
     )
     print(
         f"    the ledger's watcher needs {flush_b * 1e6:.1f} us per call more after the caller has its "
@@ -654,15 +635,15 @@ def main(argv: list[str] | None = None) -> int:
         _table(
             ["variant", "median", "GFLOP/s", "throughput / jax"],
             [
-                [v.label, _duration(_median(v.times)), _gflops(flops, v.times),
-                 f"{_median(jx_c.times) / _median(v.times):.3f}"]
+                [v.label, _duration(median(v.times)), _gflops(flops, v.times),
+                 f"{median(jx_c.times) / median(v.times):.3f}"]
                 for v in (rows_c[0].mg, rows_c[1].mg, jx_c, one_c)
             ],
         )
     )  # fmt: skip
     print()
     m = args.dot
-    one = _median(one_d.times)
+    one = median(one_d.times)
     print(
         f"(d) seed 001: two {m} x {m} float32 dot products, inputs already on their devices "
         f"({rounds_d} rounds, {bench.seed_events:.1f} ledger events per run_each call)"
@@ -671,15 +652,15 @@ def main(argv: list[str] | None = None) -> int:
         _table(
             ["variant", "median", "time / one dot", "GFLOP/s"],
             [
-                [v.label, _duration(_median(v.times)), f"{_median(v.times) / one:.3f}",
+                [v.label, _duration(median(v.times)), f"{median(v.times) / one:.3f}",
                  _gflops(2.0 * m**3 * k, v.times)]
                 for v, k in ((one_d, 1), (two_d, 2), (raw_d, 2))
             ],
         )
     )  # fmt: skip
     print(
-        f"    run_each / the same two dots by hand: {_median(two_d.times) / _median(raw_d.times):.3f} "
-        f"(paired {_median(_paired(two_d.times, raw_d.times)):.3f})"
+        f"    run_each / the same two dots by hand: {median(two_d.times) / median(raw_d.times):.3f} "
+        f"(paired {median(_paired(two_d.times, raw_d.times)):.3f})"
     )
     print(
         f"    Simulated CPU devices share the host's cores: this host has {usable} usable core(s) and one "
@@ -696,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         throughput = r.goal is not None and r.goal[0] == ">="
         way = "jax time / mgkit time (throughput)" if throughput else "mgkit time / jax time"
         print(f"  {r.case}: {way} = {r.goal_ratio:.3f}, goal {_goal_text(r)}: {'met' if met else 'NOT met'}")
-    print(f"  (d) seed 001: run_each of two dots / one dot = {_median(two_d.times) / one:.3f} (no goal)")
+    print(f"  (d) seed 001: run_each of two dots / one dot = {median(two_d.times) / one:.3f} (no goal)")
     print()
     print("checks:")
     for line in bench.notes:

@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from _stats import TRIM, median, quartiles, trimmed_mean
 
 import mgkit as mg
 
 GOAL = 1.03
 POOL = 3  # source arrays to rotate through, so one call does not warm the cache for the next
-TRIM = 0.10
 # Share of the --seconds budget each case gets.
 BUDGET = {"a": 0.28, "b": 0.28, "c": 0.22, "d": 0.07, "tiny": 0.15}
 
@@ -79,25 +79,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.seconds <= 0:
         p.error("--seconds must be positive")
     return args
-
-
-# -- statistics ---------------------------------------------------------------------------------
-
-
-def _median(xs: list[float]) -> float:
-    return float(np.median(xs))
-
-
-def _trimmed_mean(xs: list[float], trim: float = TRIM) -> float:
-    s = sorted(xs)
-    k = int(len(s) * trim)
-    core = s[k : len(s) - k] or s
-    return sum(core) / len(core)
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float]:
-    q1, q3 = np.percentile(xs, [25, 75])
-    return float(q1), float(q3)
 
 
 @dataclass
@@ -409,8 +390,8 @@ class Bench:
         finally:
             gc.enable()
         self._close_case(case)
-        m, mt, j = _median(mg_caller) * 1e6, _median(mg_total) * 1e6, _median(jx_caller) * 1e6
-        q1, q3 = _quartiles([a / b for a, b in zip(mg_caller, jx_caller, strict=True)])
+        m, mt, j = median(mg_caller) * 1e6, median(mg_total) * 1e6, median(jx_caller) * 1e6
+        q1, q3 = quartiles([a / b for a, b in zip(mg_caller, jx_caller, strict=True)])
         return [
             f"tiny put (4 x float32, + block_until_ready), median per call over {blocks} blocks of "
             f"{per_block} calls each:",
@@ -441,7 +422,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 def _rows(results: list[Result], memcpy_gbps: float) -> list[list[str]]:
     rows = []
     for r in results:
-        jx_med = _median(r.jx)
+        jx_med = median(r.jx)
         jx_gbps = r.nbytes / jx_med / 1e9
         if not r.mg:  # the memcpy yardstick
             rows.append(
@@ -449,11 +430,11 @@ def _rows(results: list[Result], memcpy_gbps: float) -> list[list[str]]:
                  f"{jx_gbps / memcpy_gbps:.2f}", str(len(r.jx))]
             )  # fmt: skip
             continue
-        mg_med = _median(r.mg)
+        mg_med = median(r.mg)
         mg_gbps = r.nbytes / mg_med / 1e9
         ratio = mg_med / jx_med
-        q1, q3 = _quartiles(r.paired)
-        trim = _trimmed_mean(r.mg) / _trimmed_mean(r.jx)
+        q1, q3 = quartiles(r.paired)
+        trim = trimmed_mean(r.mg) / trimmed_mean(r.jx)
         rows.append(
             [
                 r.case,
@@ -461,7 +442,7 @@ def _rows(results: list[Result], memcpy_gbps: float) -> list[list[str]]:
                 f"{jx_med * 1e3:.3f}",
                 f"{ratio:.3f}",
                 "yes" if ratio <= GOAL else "NO",
-                f"{_median(r.paired):.3f} [{q1:.2f}-{q3:.2f}]",
+                f"{median(r.paired):.3f} [{q1:.2f}-{q3:.2f}]",
                 f"{trim:.3f}",
                 f"{mg_gbps:.2f}",
                 f"{jx_gbps:.2f}",
@@ -517,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     tiny = bench.tiny_overhead()
     elapsed = time.perf_counter() - t_start
 
-    memcpy_gbps = bench.nbytes / _median(results[-1].jx) / 1e9
+    memcpy_gbps = bench.nbytes / median(results[-1].jx) / 1e9
     headers = [
         "case", "mgkit ms", "jax ms", "ratio", f"<={GOAL}", "paired ratio [q1-q3]", "trim ratio",
         "mgkit GB/s", "jax GB/s", "mgkit/memcpy", "jax/memcpy", "pairs",
