@@ -10,6 +10,7 @@
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
+from . import logreg as logreg
 from ._contexts import ContextMap as ContextMap
 from ._contexts import context_map as context_map
 from ._contexts import current as current
@@ -59,6 +60,7 @@ __all__ = [
     "device_of",
     "devices",
     "ledger",
+    "logreg",
     "make_parallel",
     "on",
     "parallel",

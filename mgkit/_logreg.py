@@ -1,0 +1,1220 @@
+"""Logistic regression on many devices: one model data-parallel, one model per device, or many
+models per device.
+
+The objective is Theano's (seed 000): ``mean(log-loss) + l2 * ||w||^2``, the intercept not
+penalised. scikit-learn's ``LogisticRegression(C=C)`` minimises the same function with
+``l2 = 1 / (2 * C * n_samples)``. Two classes use the sigmoid and a weight vector ``w`` of shape
+``(d,)``; k > 2 classes use the softmax and ``w`` of shape ``(d, k)``.
+
+One solver serves every layout. It fits a batch of models at once and runs its whole loop in
+one compiled program:
+
+* ``fit``: one model, the rows split across contexts; every iteration each device computes its
+  share of the loss, gradient (and Hessian) and the shares are summed (``psum``), so every
+  device holds the same model.
+* ``fit_per_device``: one model per context, each on its own data, all at once.
+* ``fit_many``: K models over one data set (a sweep of l2 values, or bootstrap row sets), spread
+  over the contexts, several per device.
+
+Distinct devices of one kind run one SPMD program (``shard_map``) over all of them; contexts
+that share a device or mix kinds run one program per context, all dispatched before any is
+waited on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from . import _contexts, _devices, _parallel, _progress
+from ._contexts import HOST
+from ._ledger import ledger
+from ._parallel import AXIS, Batch, Targets
+from ._transfer import concrete, place
+
+_HI = jax.lax.Precision.HIGHEST
+_SOLVERS = ("auto", "newton", "lbfgs", "gd")
+_MAX_ITER = {"newton": 100, "lbfgs": 1000, "gd": 10_000}
+_NEWTON_MAX_PARAMS = {"cpu": 64}  # parameters per model up to which "auto" picks Newton
+_NEWTON_MAX_PARAMS_ACCEL = 2048
+_MEMORY = 10  # L-BFGS correction pairs
+_ARMIJO = 1e-4
+_BACKTRACKS = 30
+
+
+class ConvergenceWarning(UserWarning):
+    """A fit stopped before its gradient reached the tolerance."""
+
+
+# -- the model -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FitInfo:
+    """How a fit went.
+
+    Attributes:
+      loss: the objective at each iteration (index 0: the initial model), NaN after the last;
+        ``history()`` gives the filled part.
+      iterations: iterations run.
+      converged: whether the gradient reached the tolerance.
+      grad_norm: the largest absolute gradient component at the returned model.
+      l2: the penalty the model was fitted with.
+      solver: ``newton``, ``lbfgs`` or ``gd``.
+    """
+
+    loss: Any
+    iterations: Any
+    converged: Any
+    grad_norm: Any
+    l2: Any
+    solver: str = "newton"
+
+    def history(self) -> np.ndarray:
+        """The objective per iteration, initial model first, as host numpy (trimmed)."""
+        loss, its = np.asarray(self.loss), np.asarray(self.iterations)
+        if loss.ndim == 1:
+            return loss[: int(its) + 1]
+        return np.stack([row[: int(i) + 1] for row, i in zip(loss, its.ravel(), strict=True)])
+
+
+jax.tree_util.register_dataclass(
+    FitInfo, data_fields=["loss", "iterations", "converged", "grad_norm", "l2"], meta_fields=["solver"]
+)
+
+
+class Model(NamedTuple):
+    """A fitted logistic regression: pure data, usable inside ``jax.jit``.
+
+    Attributes:
+      w: weights, ``(d,)`` for two classes, ``(d, k)`` for k classes (a leading axis of K
+        models for ``fit_many``).
+      b: intercept, ``()`` or ``(k,)`` (leading K likewise).
+      classes: the k labels in sorted order (host numpy); ``predict`` returns these.
+      info: a FitInfo.
+    """
+
+    w: Any
+    b: Any
+    classes: Any
+    info: Any
+
+
+# -- prediction (pure, jittable) -----------------------------------------------------------
+
+
+def _binary(model: Model) -> bool:
+    return np.shape(model.classes)[-1] == 2
+
+
+def _check_features(model: Model, X: Any, where: str) -> None:
+    if not isinstance(model, Model):
+        raise TypeError(
+            f"{where}: the first argument must be a model from mg.logreg.fit (a Model), got "
+            f"{type(model).__name__}"
+        )
+    d = np.shape(model.w)[-1 if _binary(model) else -2]
+    shape = np.shape(X)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{where}: X must be 2-D (samples, features), got shape {tuple(shape)}; "
+            "for a single sample use X.reshape(1, -1)"
+        )
+    if shape[1] != d:
+        raise ValueError(
+            f"{where}: X has {shape[1]} features (shape {tuple(shape)}), but the model was fitted "
+            f"on {d}; pass data with the same {d} columns, in the same order"
+        )
+
+
+def decision_function(model: Model, X: Any) -> jax.Array:
+    """Scores ``X @ w + b``: ``(n,)`` for two classes, ``(n, k)`` for k (leading K for stacked models)."""
+    _check_features(model, X, "decision_function")
+    X = jnp.asarray(X)
+    w, b = _follow(model.w, X), _follow(model.b, X)
+    X = X.astype(jnp.result_type(w.dtype, jnp.float32))
+    if _binary(model):
+        return jnp.einsum("nd,...d->...n", X, w, precision=_HI) + b[..., None]
+    return jnp.einsum("nd,...dk->...nk", X, w, precision=_HI) + b[..., None, :]
+
+
+def predict_proba(model: Model, X: Any) -> jax.Array:
+    """Class probabilities, ``(n, k)`` with columns in ``model.classes`` order (k = 2 included).
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array([0, 0, 1, 1])
+    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=1)
+    >>> mg.logreg.predict_proba(m, X).shape
+    (4, 2)
+    """
+    z = decision_function(model, X)
+    if _binary(model):
+        p = jax.nn.sigmoid(z)
+        return jnp.stack([1 - p, p], axis=-1)
+    return jax.nn.softmax(z, axis=-1)
+
+
+def predict_index(model: Model, X: Any) -> jax.Array:
+    """The index into ``model.classes`` of the most likely class for each row."""
+    z = decision_function(model, X)
+    return (z > 0).astype(jnp.int32) if _binary(model) else jnp.argmax(z, axis=-1).astype(jnp.int32)
+
+
+def predict(model: Model, X: Any) -> Any:
+    """The most likely label for each row, from ``model.classes``.
+
+    Numeric labels give a JAX array (and this works inside ``jax.jit``); other labels (strings)
+    give host numpy.
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array(["no", "no", "yes", "yes"])
+    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=1)
+    >>> mg.logreg.predict(m, X).tolist()
+    ['no', 'no', 'yes', 'yes']
+    """
+    index = predict_index(model, X)
+    classes = model.classes
+    if isinstance(classes, np.ndarray) and classes.dtype.kind not in "biuf":
+        return np.take_along_axis(
+            np.broadcast_to(classes, (*np.shape(index)[:-1], classes.shape[-1])), np.asarray(index), axis=-1
+        )
+    return jnp.take_along_axis(
+        jnp.broadcast_to(jnp.asarray(classes), (*index.shape[:-1], np.shape(classes)[-1])), index, axis=-1
+    )
+
+
+def score(model: Model, X: Any, y: Any) -> Any:
+    """Accuracy: the fraction of rows whose predicted label equals ``y`` (one per stacked model)."""
+    pred = predict(model, X)
+    y = np.asarray(y) if isinstance(pred, np.ndarray) else jnp.asarray(y)
+    if np.shape(y) != np.shape(pred)[-1:]:
+        raise ValueError(f"score: y has shape {np.shape(y)}, expected ({np.shape(pred)[-1]},), one per row")
+    return (pred == y).mean(axis=-1)
+
+
+def objective(model: Model, X: Any, y: Any, l2: float) -> float:
+    """The objective ``mean(log-loss) + l2 * ||w||^2`` of a model on data, in float64 on the host
+    (to compare solvers, or with scikit-learn: ``l2 = 1 / (2 * C * n_samples)``)."""
+    X = np.asarray(X, np.float64)
+    w, b = np.asarray(model.w, np.float64), np.asarray(model.b, np.float64)
+    index = np.searchsorted(np.asarray(model.classes), np.asarray(y))
+    z = X @ w + b
+    if _binary(model):
+        loss = np.logaddexp(0.0, z) - index * z
+    else:
+        top = z.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(z - top).sum(axis=1)) + top[:, 0]
+        loss = lse - z[np.arange(len(z)), index]
+    return float(loss.mean() + l2 * np.sum(w**2))
+
+
+def unstack(models: Model) -> list[Model]:
+    """The K models of a ``fit_many`` result as a list of single models."""
+    k = np.shape(models.info.iterations)
+    if not k:
+        return [models]
+    return [jax.tree_util.tree_map(lambda a, i=i: a[i], models._replace(classes=None)) for i in range(k[0])]
+
+
+def _follow(a: Any, X: Any) -> Any:
+    """Model arrays follow the data: moved (recorded) to X's device when X is committed elsewhere."""
+    if not isinstance(a, jax.Array) or not isinstance(X, jax.Array) or isinstance(X, jax.core.Tracer):
+        return a
+    if isinstance(a, jax.core.Tracer) or a.devices() == X.devices() or not X.committed:
+        return a
+    if len(X.devices()) == 1:
+        (device,) = X.devices()
+        return place([a], _contexts.name_of(device), device, "transfer")[0]
+    return jax.device_put(a, X.sharding.with_spec(P()) if hasattr(X.sharding, "with_spec") else X.sharding)
+
+
+# -- the solver (traced; local data, M models) ---------------------------------------------
+
+
+class Spec(NamedTuple):
+    """What a compiled fit does (static: part of the program's cache key)."""
+
+    solver: str  # newton | lbfgs | gd
+    c: int  # 1: sigmoid; k: softmax over k classes
+    max_iter: int
+    every: int  # iterations between step reports
+    reduce: bool  # sum the loss, gradient and Hessian over the mesh axis (data-parallel)
+    mapped: bool  # runs under shard_map over AXIS: the context index is the axis index
+    fused: bool  # gradient as fused multiply-sums (XLA's CPU X.T @ R is slow)
+
+
+class Fit(NamedTuple):
+    """A solver's results for M models (W: (d, M, c), b: (M, c), the rest (M,) or (M, L))."""
+
+    W: Any
+    b: Any
+    hist: Any
+    its: Any
+    gmax: Any
+    conv: Any
+
+
+class _Carry(NamedTuple):
+    it: Any
+    W: Any
+    b: Any
+    Z: Any
+    f: Any
+    g: Any
+    gmax: Any
+    done: Any
+    stalled: Any
+    hist: Any
+    S: Any
+    Y: Any
+    rho: Any
+
+
+def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
+    """Fits M models on local rows; with ``spec.reduce`` the rows are one shard of the data.
+
+    X: (n, d); y: (n,) class indices; omega: (n, 1 or M) row weights (0 for padding);
+    W0: (d, M, c); b0: (M, c); l2: (M,); tol, lr: scalars; run, ctx: ids for step reports.
+    """
+    n, d = X.shape
+    M, c = b0.shape
+    dtype = W0.dtype
+    X = X.astype(dtype)
+    yf = y.astype(dtype)
+    eps = float(jnp.finfo(dtype).eps)
+
+    def red(v):
+        return jax.tree_util.tree_map(lambda a: jax.lax.psum(a, AXIS), v) if spec.reduce else v
+
+    N = jnp.broadcast_to(red(omega.sum(0)), (M,))
+    wn = omega / N  # each row's weight in the mean
+
+    def scores(W, b):
+        return (jnp.dot(X, W.reshape(d, M * c), precision=_HI)).reshape(n, M, c) + b
+
+    def value(Z, W):
+        if c == 1:
+            z = Z[..., 0]
+            rows = jax.nn.softplus(z) - yf[:, None] * z
+        else:
+            picked = jnp.take_along_axis(Z, y[:, None, None], axis=-1)[..., 0]
+            rows = jax.nn.logsumexp(Z, axis=-1) - picked
+        return red(jnp.sum(wn * rows, axis=0)) + l2 * jnp.sum(W * W, axis=(0, 2))
+
+    def probs(Z):
+        return jax.nn.sigmoid(Z) if c == 1 else jax.nn.softmax(Z, axis=-1)
+
+    def residual(Z):
+        target = yf[:, None, None] if c == 1 else jax.nn.one_hot(y, c, dtype=dtype)[:, None, :]
+        return (probs(Z) - target) * wn[..., None]
+
+    def grad(Z, W):
+        R = residual(Z).reshape(n, M * c)
+        if spec.fused and M * c <= 4:  # one fused pass per column beats XLA's CPU X.T @ R
+            gW = jnp.stack([jnp.sum(X * R[:, j : j + 1], axis=0) for j in range(M * c)], axis=1)
+        else:
+            gW = jnp.dot(X.T, R, precision=_HI)
+        gW, gb = red((gW.reshape(d, M, c), R.reshape(n, M, c).sum(0)))
+        return flat(gW + 2 * l2[None, :, None] * W, gb)
+
+    def flat(W, b):  # (d, M, c), (M, c) -> (M, p), p = (d + 1) * c; index i * c + a
+        return jnp.concatenate([W.transpose(1, 0, 2).reshape(M, d * c), b], axis=1)
+
+    def unflat(v):
+        return v[:, : d * c].reshape(M, d, c).transpose(1, 0, 2), v[:, d * c :]
+
+    def hessian(Z):
+        Xa = jnp.concatenate([X, jnp.ones((n, 1), dtype)], axis=1)
+        Pr = probs(Z)
+        if c == 1:
+            s = (Pr * (1 - Pr))[..., 0] * wn
+            H = jnp.einsum("ni,nm,nj->mij", Xa, s, Xa, precision=_HI)
+        else:
+            wp = Pr * wn[..., None]
+            H1 = jnp.einsum("ni,nma,nj->miaj", Xa, wp, Xa, precision=_HI)
+            H2 = jnp.einsum("ni,nma,nj,nmb->miajb", Xa, wp, Xa, Pr, precision=_HI)
+            H = H1[..., None] * jnp.eye(c, dtype=dtype)[None, None, :, None, :] - H2
+            H = H.reshape(M, (d + 1) * c, (d + 1) * c)
+        return red(H)
+
+    p = (d + 1) * c
+    penal = jnp.concatenate([jnp.ones((d * c,), dtype), jnp.zeros((c,), dtype)])
+
+    def newton_direction(Z, g):
+        H = hessian(Z) + jax.vmap(jnp.diag)(2 * l2[:, None] * penal)
+        if c > 1:  # softmax: shifting every intercept alike changes nothing; pin that direction
+            H = H.at[:, d * c :, d * c :].add(1.0 / c)
+        damp = 1e-6 * jnp.max(jnp.diagonal(H, axis1=1, axis2=2), axis=1) + eps
+        H = H + damp[:, None, None] * jnp.eye(p, dtype=dtype)
+        L = jnp.linalg.cholesky(H)
+        step = -jax.scipy.linalg.cho_solve((L, True), g[..., None])[..., 0]
+        ok = jnp.all(jnp.isfinite(step), axis=1, keepdims=True)
+        return jnp.where(ok, step, -g)
+
+    def lbfgs_direction(st):
+        q = st.g
+        alphas = []
+        for i in range(_MEMORY):  # newest pair first
+            a = st.rho[:, i] * jnp.sum(st.S[:, i] * q, axis=1)
+            q = q - a[:, None] * st.Y[:, i]
+            alphas.append(a)
+        sy, yy = jnp.sum(st.S[:, 0] * st.Y[:, 0], axis=1), jnp.sum(st.Y[:, 0] ** 2, axis=1)
+        first = 1.0 / jnp.maximum(1.0, jnp.sqrt(jnp.sum(st.g**2, axis=1)))
+        gamma = jnp.where(st.rho[:, 0] > 0, sy / jnp.where(yy > 0, yy, 1.0), first)
+        r = gamma[:, None] * q
+        for i in reversed(range(_MEMORY)):
+            beta = st.rho[:, i] * jnp.sum(st.Y[:, i] * r, axis=1)
+            r = r + st.S[:, i] * (alphas[i] - beta)[:, None]
+        step = -r
+        descent = jnp.sum(step * st.g, axis=1) < 0
+        return jnp.where(descent[:, None], step, -st.g)
+
+    def report(it, f, gmax):
+        where = jax.lax.axis_index(AXIS) if spec.mapped else ctx
+        jax.debug.callback(_progress.report, run, where, it, f, gmax)
+
+    def maybe_report(it, f, gmax):
+        jax.lax.cond(it % spec.every == 0, lambda: report(it, f, gmax), lambda: None)
+
+    def gd_step(st):
+        Z = scores(st.W, st.b)
+        f, g = value(Z, st.W), grad(Z, st.W)
+        gmax = jnp.max(jnp.abs(g), axis=1)
+        maybe_report(st.it, f, gmax)
+        W, b = unflat(flat(st.W, st.b) - lr * g)
+        hist = st.hist.at[:, st.it].set(f)
+        return st._replace(it=st.it + 1, W=W, b=b, f=f, g=g, gmax=gmax, hist=hist)
+
+    def search_step(st):
+        maybe_report(st.it, st.f, st.gmax)
+        active = ~st.done
+        step = newton_direction(st.Z, st.g) if spec.solver == "newton" else lbfgs_direction(st)
+        step = jnp.where(active[:, None], step, 0.0)
+        dW, db = unflat(step)
+        D = scores(dW, db)
+        slope = jnp.sum(step * st.g, axis=1)
+        slack = 16 * eps * jnp.abs(st.f)
+
+        def trial(t):
+            W = st.W + t[None, :, None] * dW
+            f = value(st.Z + t[None, :, None] * D, W)
+            return f, (f <= st.f + _ARMIJO * t * slope + slack) & jnp.isfinite(f)
+
+        t = jnp.ones((M,), dtype)
+        f_t, ok = trial(t)
+        ok = ok | ~active
+
+        def backtrack(state):
+            k, t, f_t, ok = state
+            t = jnp.where(ok, t, t / 2)
+            f_new, ok_new = trial(t)
+            return k + 1, t, jnp.where(ok, f_t, f_new), ok | ok_new
+
+        _, t, f_t, ok = jax.lax.while_loop(
+            lambda s: (s[0] < _BACKTRACKS) & ~jnp.all(s[3]), backtrack, (0, t, f_t, ok)
+        )
+        stalled = active & ~ok
+        t = jnp.where(ok & active, t, 0.0)
+        W = st.W + t[None, :, None] * dW
+        b = st.b + t[:, None] * db
+        Z = st.Z + t[None, :, None] * D
+        f = jnp.where(ok & active, f_t, st.f)
+        g = grad(Z, W)
+        gmax = jnp.max(jnp.abs(g), axis=1)
+        S, Y, rho = st.S, st.Y, st.rho
+        if spec.solver == "lbfgs":
+            s, yv = t[:, None] * step, g - st.g
+            sy = jnp.sum(s * yv, axis=1)
+            keep = active & (sy > eps * jnp.sqrt(jnp.sum(s * s, axis=1) * jnp.sum(yv * yv, axis=1)))
+            S = jnp.where(keep[:, None, None], jnp.concatenate([s[:, None], S[:, :-1]], axis=1), S)
+            Y = jnp.where(keep[:, None, None], jnp.concatenate([yv[:, None], Y[:, :-1]], axis=1), Y)
+            rho = jnp.where(
+                keep[:, None], jnp.concatenate([(1 / jnp.where(keep, sy, 1))[:, None], rho[:, :-1]], 1), rho
+            )
+        done = st.done | stalled | (gmax <= tol)
+        hist = st.hist.at[:, st.it + 1].set(jnp.where(active, f, jnp.nan))
+        return _Carry(st.it + 1, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, S, Y, rho)
+
+    Z0 = scores(W0, b0)
+    f0, g0 = value(Z0, W0), grad(Z0, W0)
+    gmax0 = jnp.max(jnp.abs(g0), axis=1)
+    mem = _MEMORY if spec.solver == "lbfgs" else 0
+    hist0 = jnp.full((M, spec.max_iter + 1), jnp.nan, dtype)
+    start = _Carry(
+        jnp.int32(0),
+        W0,
+        b0,
+        Z0,
+        f0,
+        g0,
+        gmax0,
+        gmax0 <= tol if spec.solver != "gd" else jnp.zeros((M,), bool),
+        jnp.zeros((M,), bool),
+        hist0.at[:, 0].set(f0) if spec.solver != "gd" else hist0,
+        jnp.zeros((M, mem, p), dtype),
+        jnp.zeros((M, mem, p), dtype),
+        jnp.zeros((M, mem), dtype),
+    )
+    if spec.solver == "gd":
+        st = jax.lax.while_loop(lambda s: s.it < spec.max_iter, gd_step, start)
+    else:
+        st = jax.lax.while_loop(lambda s: (s.it < spec.max_iter) & ~jnp.all(s.done), search_step, start)
+
+    # The carried loss and gradient are the returned model's (scores are updated, not
+    # recomputed: their rounding stays near float epsilon times the path length).
+    f, gmax = st.f, st.gmax
+    hist = st.hist.at[:, st.it].set(f)
+    conv = gmax <= tol
+    if spec.solver != "gd":
+        # A line search that can no longer lower the objective has met float rounding: accept
+        # the gradient if it is within rounding of the terms it sums (bounded per column).
+        def floor():
+            R = jnp.abs(residual(st.Z)).sum(axis=(0, 2))
+            col = jnp.max(jnp.abs(X), axis=0)
+            col = jax.lax.pmax(col, AXIS) if spec.reduce else col
+            terms = red(R) * jnp.maximum(jnp.max(col), 1.0) + 2 * l2 * jnp.max(jnp.abs(st.W), axis=(0, 2))
+            return 64 * eps * math.sqrt(n) * terms
+
+        limit = jax.lax.cond(jnp.any(st.stalled), floor, lambda: jnp.zeros((M,), dtype))
+        conv = conv | (st.stalled & (gmax <= limit))
+    report(st.it, f, gmax)
+    return Fit(st.W, st.b, hist, st.it, gmax, conv)
+
+
+# -- programs ------------------------------------------------------------------------------
+
+
+def _local_program(spec: Spec) -> Callable:
+    """One device, M models: ``solve`` compiled."""
+    return _parallel._PROGRAMS.get(("logreg", spec), lambda: jax.jit(functools.partial(solve, spec)))
+
+
+# Partition specs per layout, for (X, y, omega, W0, b0, l2) and the outputs.
+_ROWS, _MODELS, _REPL = P(AXIS), P(None, AXIS), P()
+_LAYOUTS = {
+    # one model, rows split, sums reduced: every output replicated
+    "rows": ((_ROWS, _ROWS, _ROWS, _REPL, _REPL, _REPL), Fit(_REPL, _REPL, _REPL, _REPL, _REPL, _REPL)),
+    # one model per device on its own rows
+    "devices": (
+        (_ROWS, _ROWS, _ROWS, _MODELS, _ROWS, _ROWS),
+        Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS),
+    ),
+    # every device holds all rows and fits its own slice of the models
+    "models": ((_REPL, _REPL, _REPL, _MODELS, _ROWS, _ROWS), Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS)),
+}
+
+
+def _mapped_program(spec: Spec, devices: tuple, layout: str, omega_spec: Any = None) -> Callable:
+    """One SPMD program over the devices' mesh, for one of the three layouts."""
+    key = ("logreg", spec, devices, layout, omega_spec)
+
+    def build():
+        in_specs, out_specs = _LAYOUTS[layout]
+        if omega_spec is not None:
+            in_specs = (*in_specs[:2], omega_spec, *in_specs[3:])
+        scalar = (_REPL,) * 4  # tol, lr, run, ctx
+
+        def body(X, y, omega, W0, b0, l2, tol, lr, run, ctx):
+            out = solve(spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx)
+            return out._replace(its=out.its[None]) if layout != "rows" else out
+
+        mesh = _parallel.mesh(devices)
+        program = jax.shard_map(
+            body, mesh=mesh, in_specs=(*in_specs, *scalar), out_specs=out_specs, check_vma=False
+        )
+        shardings = tuple(_parallel._sharding(devices, AXIS, None) for _ in scalar)
+        data_shardings = tuple(jax.sharding.NamedSharding(mesh, s) for s in (*in_specs,))
+        return jax.jit(program, in_shardings=(*data_shardings, *shardings))
+
+    return _parallel._PROGRAMS.get(key, build)
+
+
+# -- checking inputs -----------------------------------------------------------------------
+
+
+def _dtype() -> Any:
+    return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+
+
+def _check_X(X: Any, where: str, name: str = "X") -> Any:
+    """A 2-D, finite, real array (numpy on the host, or a jax.Array where it is)."""
+    if isinstance(X, jax.Array):
+        arr = X
+    else:
+        try:
+            arr = np.asarray(X)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"{where}: {name} cannot be read as an array ({e}); pass a 2-D numeric array"
+            ) from None
+    kind = np.dtype(arr.dtype).kind
+    if kind not in "fiub":
+        raise TypeError(
+            f"{where}: {name} has dtype {arr.dtype}, but features must be real numbers; convert with "
+            f"{name}.astype(np.float32) (encode text or categories as numbers first)"
+        )
+    if arr.ndim != 2:
+        hint = f"{name}.reshape(-1, 1) for one feature" if arr.ndim == 1 else "one row per sample"
+        raise ValueError(
+            f"{where}: {name} must be 2-D (samples, features), got shape {tuple(arr.shape)}; use {hint}"
+        )
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(
+            f"{where}: {name} is empty (shape {tuple(arr.shape)}); fitting needs at least one sample "
+            "and one feature"
+        )
+    if kind == "f":
+        bad = ~(jnp.isfinite(arr) if isinstance(arr, jax.Array) else np.isfinite(arr))
+        count = int(bad.sum())
+        if count:
+            row, col = (int(i) for i in np.argwhere(np.asarray(bad))[0])
+            raise ValueError(
+                f"{where}: {name} has {count} NaN or infinite value(s), the first at row {row}, column "
+                f"{col} ({np.asarray(arr[row, col])!r}); drop or impute them (e.g. with column means) "
+                "before fitting"
+            )
+    if isinstance(arr, np.ndarray):
+        arr = arr.astype(_dtype(), copy=False)
+    elif arr.dtype != _dtype():
+        arr = arr.astype(_dtype())
+    return arr
+
+
+def _encode(y: Any, n: int, where: str, name: str = "y") -> tuple[np.ndarray, np.ndarray]:
+    """Labels -> (class index per row, int32; the sorted distinct labels)."""
+    if isinstance(y, jax.Array):
+        y = place([y], HOST, None, "transfer")[0]
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise ValueError(
+            f"{where}: {name} must be 1-D, one label per row, got shape {y.shape}"
+            + ("; use y.ravel()" if y.ndim == 2 and 1 in y.shape else "")
+        )
+    if len(y) != n:
+        raise ValueError(
+            f"{where}: X has {n} rows but {name} has {len(y)} labels; pass one label per row of X"
+        )
+    if y.dtype.kind == "f" and not np.isfinite(y).all():
+        raise ValueError(f"{where}: {name} contains NaN or infinite labels; every row needs a label")
+    try:
+        classes, index = np.unique(y, return_inverse=True)
+    except TypeError as e:
+        kinds = sorted({type(v).__name__ for v in y.ravel().tolist()})
+        raise TypeError(
+            f"{where}: the labels in {name} cannot be sorted ({e}); they mix types {kinds}. Use labels "
+            "of one type, e.g. y.astype(str)"
+        ) from None
+    if len(classes) < 2:
+        raise ValueError(
+            f"{where}: {name} has a single class ({classes[0]!r} for all {n} rows); logistic regression "
+            "needs at least two classes"
+        )
+    return index.astype(np.int32), classes
+
+
+def _check_l2(value: Any, where: str, name: str = "l2") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name}={value!r}; the penalty must be a number >= 0, e.g. {name}=1e-3")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{where}: {name}={value!r}; the penalty must be finite and >= 0 (0: no penalty), "
+            f"e.g. {name}=1e-3"
+        )
+    return float(value)
+
+
+def _penalty(l2: Any, C: Any, n: float, where: str) -> float:
+    if C is not None and l2 is not None:
+        raise ValueError(f"{where}: give l2= or C=, not both (l2 = 1 / (2 * C * n_samples))")
+    if C is None:
+        return 1.0 / (2 * n) if l2 is None else _check_l2(l2, where)
+    if isinstance(C, bool) or not isinstance(C, numbers.Real) or not math.isfinite(C) or C <= 0:
+        raise ValueError(f"{where}: C={C!r}; C must be a positive finite number, as in scikit-learn")
+    return 1.0 / (2 * C * n)
+
+
+class _Options(NamedTuple):
+    solver: str
+    max_iter: int | None
+    tol: float
+    learning_rate: float
+    progress: bool | None
+
+
+def _options(solver, max_iter, tol, learning_rate, progress, where) -> _Options:
+    if solver not in _SOLVERS:
+        raise ValueError(
+            f"{where}: solver={solver!r}; use 'auto' (the default), 'newton', 'lbfgs' or 'gd' "
+            "(fixed learning rate and steps, as in Theano's recipe)"
+        )
+    if max_iter is not None and (
+        isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1
+    ):
+        raise ValueError(f"{where}: max_iter={max_iter!r}; give a whole number of iterations >= 1")
+    for name, v in (("tol", tol), ("learning_rate", learning_rate)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{where}: {name}={v!r}; it must be a positive finite number")
+    if progress not in (None, True, False):
+        raise TypeError(f"{where}: progress={progress!r}; use None (a bar after 1 s), True or False")
+    return _Options(
+        solver, None if max_iter is None else int(max_iter), float(tol), float(learning_rate), progress
+    )
+
+
+def _spec(opts: _Options, d: int, c: int, platform: str, reduce: bool, mapped: bool) -> Spec:
+    solver = opts.solver
+    if solver == "auto":
+        limit = _NEWTON_MAX_PARAMS.get(platform, _NEWTON_MAX_PARAMS_ACCEL)
+        solver = "newton" if (d + 1) * c <= limit else "lbfgs"
+    max_iter = opts.max_iter or _MAX_ITER[solver]
+    every = {"newton": 1, "lbfgs": 10, "gd": max(1, max_iter // 100)}[solver]
+    return Spec(solver, c, max_iter, every, reduce, mapped, platform == "cpu")
+
+
+def _init(init: Any, d: int, c: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Starting weights (d, c) and intercept (c,): zeros, or a Model / (w, b) given."""
+    if init is None:
+        return np.zeros((d, c)), np.zeros((c,))
+    w, b = (init.w, init.b) if isinstance(init, Model) else init if isinstance(init, tuple) else (None, None)
+    if w is None:
+        raise TypeError(f"{where}: init must be a Model or a tuple (w, b), got {type(init).__name__}")
+    w, b = np.asarray(w, np.float64), np.asarray(b, np.float64)
+    want_w, want_b = ((d,), ()) if c == 1 else ((d, c), (c,))
+    if w.shape != want_w or b.shape != want_b:
+        raise ValueError(
+            f"{where}: init has w of shape {w.shape} and b of shape {b.shape}; this data needs "
+            f"w {want_w} and b {want_b}"
+        )
+    return w.reshape(d, c), b.reshape(c)
+
+
+# -- results -------------------------------------------------------------------------------
+
+
+def _model(fit: Fit, i: int | slice, classes: np.ndarray, l2: Any, solver: str, c: int) -> Model:
+    """Model i (an int: one model; a slice: stacked) out of a Fit's M models."""
+    part = (i.start, i.stop) if isinstance(i, slice) else i
+    w, b, hist, its, conv, gmax = _pieces(fit, part, c)
+    return Model(w, b, classes, FitInfo(hist, its, conv, gmax, l2, solver))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _pieces(fit: Fit, part: int | tuple, c: int) -> tuple:
+    """The model's arrays, cut from the solver's layout in one compiled call (not one op each)."""
+    i = slice(*part) if isinstance(part, tuple) else part
+    W = fit.W[:, i]  # (d, c) or (d, K, c)
+    w = jnp.moveaxis(W, 1, 0) if isinstance(part, tuple) else W
+    w = w[..., 0] if c == 1 else w
+    b = fit.b[i][..., 0] if c == 1 else fit.b[i]
+    its = fit.its if fit.its.ndim == 0 else fit.its[i]
+    return w, b, fit.hist[i], its, fit.conv[i], fit.gmax[i]
+
+
+def _warn(models: Mapping[str, Model], where: str, solver: str) -> None:
+    bad = []
+    for key, m in models.items():
+        conv = np.asarray(m.info.converged).ravel()
+        grad = np.asarray(m.info.grad_norm).ravel()
+        for j in np.flatnonzero(~conv):
+            label = key if conv.size == 1 else f"{key}[{j}]" if key else f"model {j}"
+            bad.append(f"{label}: max|gradient| {grad[j]:.3g}")
+    if bad:
+        shown = "; ".join(bad[:8]) + (f"; ... ({len(bad)} in all)" if len(bad) > 8 else "")
+        fix = (
+            "raise max_iter (steps) or use solver='newton' or 'lbfgs'"
+            if solver == "gd"
+            else "raise max_iter, standardise the features, or raise l2"
+        )
+        diverged = any("nan" in b for b in bad)
+        warnings.warn(
+            f"{where}: {'the fit diverged' if diverged else 'did not converge'} ({solver}): {shown}. "
+            + ("Lower learning_rate. " if diverged and solver == "gd" else "")
+            + f"To fix it, {fix}.",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
+
+
+def _run(what, targets: Targets, samples, models, spec: Spec) -> _progress.Run:
+    return _progress.Run(
+        f"{what} ({spec.solver})",
+        targets.names,
+        [_devices.short_name(d) for d in targets.devices],
+        samples,
+        models,
+        spec.max_iter if spec.solver == "gd" else None,
+    )
+
+
+def _scalars(opts: _Options, run: _progress.Run, dtype) -> tuple:
+    return (np.asarray(opts.tol, dtype), np.asarray(opts.learning_rate, dtype), np.int32(run.id), np.int32(0))
+
+
+# -- fit: one model, data-parallel ---------------------------------------------------------
+
+
+def fit(
+    X: Any,
+    y: Any,
+    l2: float | None = None,
+    *,
+    C: float | None = None,
+    sample_weight: Any = None,
+    solver: str = "auto",
+    max_iter: int | None = None,
+    tol: float = 1e-5,
+    learning_rate: float = 0.1,
+    init: Any = None,
+    contexts: Any = None,
+    progress: bool | None = None,
+) -> Model:
+    """Fits one logistic regression with its rows split across contexts (data-parallel).
+
+    Each device computes the loss, gradient (and Hessian) of its rows; the shares are summed
+    every iteration, so every device holds the same model and the answer does not depend on
+    how many contexts share the work. Any number of rows works.
+
+    Args:
+      X: (n, d) features, numpy or JAX.
+      y: (n,) labels, any k >= 2 distinct sortable values.
+      l2: penalty in ``mean(log-loss) + l2 * ||w||^2``. Default: scikit-learn's default
+        ``C=1``, i.e. ``l2 = 1 / (2 * n)``.
+      C: scikit-learn's inverse penalty instead of l2 (``l2 = 1 / (2 * C * n)``).
+      sample_weight: (n,) non-negative row weights (the mean becomes a weighted mean).
+      solver: ``"auto"`` (Newton when the Hessian is small, else L-BFGS), ``"newton"``,
+        ``"lbfgs"``, or ``"gd"``: fixed ``learning_rate`` for exactly ``max_iter`` steps.
+      max_iter: iterations at most (gd: steps). Default 100 (newton), 1000 (lbfgs), 10000 (gd).
+      tol: stop when every gradient component is at most this.
+      learning_rate: gd's step size.
+      init: a Model or ``(w, b)`` to start from (default zeros).
+      contexts: context names, a count (the first n) or None for every context in the map.
+      progress: None: a progress bar once the fit has run for a second; True: at once; False: never.
+
+    Returns:
+      A Model; its arrays are replicated on every context's device.
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array([0, 0, 1, 1])
+    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=2)
+    >>> mg.logreg.predict(m, X).tolist(), bool(m.info.converged)
+    ([0, 0, 1, 1], True)
+    """
+    where = "logreg.fit"
+    opts = _options(solver, max_iter, tol, learning_rate, progress, where)
+    targets = _parallel.resolve(contexts, where)
+    X = _check_X(X, where)
+    n, d = X.shape
+    y_idx, classes = _encode(y, n, where)
+    weights = np.ones(n, _dtype()) if sample_weight is None else _weights(sample_weight, n, where)
+    omega = weights[:, None]
+    total = float(omega.sum())
+    l2v = _penalty(l2, C, total, where)
+    c = 1 if len(classes) == 2 else len(classes)
+    W0, b0 = _init(init, d, c, where)
+    devices = tuple(dict.fromkeys(targets.devices))  # two names on one device share its rows
+    if len({dev.platform for dev in devices}) > 1:
+        kinds = ", ".join(
+            f"{nm}->{_devices.short_name(dv)}" for nm, dv in zip(targets.names, targets.devices, strict=True)
+        )
+        raise ValueError(
+            f"{where}: a data-parallel fit sums every iteration over one SPMD program, which needs "
+            f"devices of one kind, but the contexts mix kinds ({kinds}). Pass contexts=[...] naming "
+            "devices of one kind, or fit one model per context with mg.logreg.fit_per_device"
+        )
+    names = tuple(_contexts.name_of(dv) for dv in devices)
+    targets = Targets(names, devices, True)
+    k = len(devices)
+    spec = _spec(opts, d, c, devices[0].platform, reduce=True, mapped=True)
+    sizes = _parallel.shares(n, k)
+    dtype = _dtype()
+    # Padding rows (uneven splits) repeat a real row; their weight is zeroed below.
+    keep = np.zeros(k * max(sizes), dtype)
+    keep[_parallel._padding(sizes)[1]] = 1
+    run = _run("logreg.fit", targets, sizes, [1] * k, spec)
+    leaves = [
+        X,
+        y_idx,
+        omega,
+        W0.reshape(d, 1, c).astype(dtype),
+        b0.reshape(1, c).astype(dtype),
+        np.asarray([l2v], dtype),
+    ]
+    batch = Batch(
+        leaves,
+        None,
+        (0, 0, 0, None, None, None),
+        n,
+        _names("X", "y", "sample_weight", "init w", "init b", "l2"),
+    )
+    placed, host_events = _parallel.place_spmd(batch, targets, sizes)
+    if len(set(sizes)) > 1:  # the row weights are host numpy, padded like X: zero the padding
+        placed[2] = placed[2] * keep[:, None]
+    program = _mapped_program(spec, devices, "rows")
+    try:
+        t0 = time.perf_counter()
+        out = program(*placed, *_scalars(opts, run, dtype))
+        _record(host_events, out, t0)
+        out = _progress.wait(out, run, opts.progress)
+    finally:
+        run.close()
+    model = _model(out, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
+    _warn({"": model}, where, spec.solver)
+    return model
+
+
+def _names(*names: str) -> Callable[[int], str]:
+    return lambda i: names[i]
+
+
+def _weights(w: Any, n: int, where: str) -> np.ndarray:
+    w = np.asarray(w, dtype=np.float64)
+    if w.shape != (n,):
+        raise ValueError(f"{where}: sample_weight has shape {w.shape}; expected ({n},), one weight per row")
+    if not np.isfinite(w).all() or (w < 0).any():
+        raise ValueError(f"{where}: sample_weight must be finite and >= 0")
+    if w.sum() <= 0:
+        raise ValueError(f"{where}: sample_weight sums to 0; at least one row needs a positive weight")
+    return w.astype(_dtype())
+
+
+def _record(events: list, out: Any, t0: float) -> None:
+    """Records the events of host arrays the program's call copied, once its outputs are ready."""
+    if events:
+        ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+
+
+# -- fit_per_device: one model per context -------------------------------------------------
+
+
+def fit_per_device(
+    data: Mapping[str, tuple] | Callable[[str], tuple],
+    l2: Any = None,
+    *,
+    C: Any = None,
+    solver: str = "auto",
+    max_iter: int | None = None,
+    tol: float = 1e-5,
+    learning_rate: float = 0.1,
+    init: Any = None,
+    contexts: Any = None,
+    progress: bool | None = None,
+) -> dict[str, Model]:
+    """Fits one model per context, each on its own data and device, all at once (seed 000).
+
+    Args:
+      data: ``{context: (X, y)}``, or a function ``context -> (X, y)`` that makes each
+        context's data; it runs inside ``mg.on(context)``, so arrays it creates land there.
+      l2, C: the penalty, shared by every model, or a ``{context: value}`` mapping of
+        private values. Default: ``C=1`` as in scikit-learn.
+      init: a Model or ``(w, b)`` for every context, or a ``{context: ...}`` mapping.
+      contexts: with a data function, the contexts to fit on (default: every context).
+      solver, max_iter, tol, learning_rate, progress: as in ``fit``.
+
+    Returns:
+      ``{context: Model}``; each model's arrays live on its context's device.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]])
+    >>> models = mg.logreg.fit_per_device({"a": (X, [0, 0, 1, 1]), "b": (X, [1, 1, 0, 0])}, l2=0.01)
+    >>> {k: mg.logreg.predict(m, X).tolist() for k, m in models.items()}
+    {'a': [0, 0, 1, 1], 'b': [1, 1, 0, 0]}
+    >>> mg.where(models["b"].w)
+    'b'
+    """
+    where = "logreg.fit_per_device"
+    opts = _options(solver, max_iter, tol, learning_rate, progress, where)
+    if callable(data) and not isinstance(data, Mapping):
+        targets = _parallel.resolve(contexts, where)
+        made = {}
+        for name in targets.names:
+            with _contexts.on(name):
+                made[name] = data(name)
+        data, source = made, "the data function returned, for context {!r},"
+    elif isinstance(data, Mapping):
+        if contexts is not None:
+            raise ValueError(f"{where}: contexts= is for a data function; a mapping names its contexts")
+        if not data:
+            raise ValueError(
+                f"{where}: no data; pass {{context: (X, y), ...}} or a function context -> (X, y)"
+            )
+        targets = _parallel.resolve(list(data), where)
+        source = "the data for context {!r} is"
+    else:
+        raise TypeError(
+            f"{where}: data must be a mapping {{context: (X, y)}} or a function context -> (X, y), got "
+            f"{type(data).__name__}"
+        )
+    parts = []
+    for name in targets.names:
+        pair = data[name]
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise TypeError(
+                f"{where}: {source.format(name)} a {type(pair).__name__}; expected a pair (X, y) with X of "
+                "shape (n, d) and y of shape (n,)"
+            )
+        X = _check_X(pair[0], where, f"X for context {name!r}")
+        y_idx, classes = _encode(pair[1], X.shape[0], where, f"y for context {name!r}")
+        parts.append((X, y_idx, classes))
+    l2s = _private(l2, targets, where, "l2")
+    Cs = _private(C, targets, where, "C")
+    inits = _private(init, targets, where, "init", lambda v: v is None or isinstance(v, Model | tuple))
+    dtype = _dtype()
+    same = len({(X.shape, len(cl)) for X, _, cl in parts}) == 1
+    shapes = [(X.shape[1], 1 if len(cl) == 2 else len(cl)) for X, _, cl in parts]
+    penalties, starts, specs = [], [], []
+    for i, ((X, _, _), (d, c)) in enumerate(zip(parts, shapes, strict=True)):
+        penalties.append(_penalty(l2s[i], Cs[i], X.shape[0], where))
+        starts.append(_init(inits[i], d, c, where))
+        specs.append(
+            _spec(opts, d, c, targets.devices[i].platform, reduce=False, mapped=targets.spmd and same)
+        )
+    run = _run(
+        "logreg.fit_per_device", targets, [X.shape[0] for X, _, _ in parts], [1] * len(parts), specs[0]
+    )
+    try:
+        placed = [
+            place([X, y_idx, np.ones((X.shape[0], 1), dtype)], name, device, "put")
+            for (X, y_idx, _), name, device in zip(parts, targets.names, targets.devices, strict=True)
+        ]
+        if targets.spmd and same:
+            fits = _per_device_spmd(placed, starts, penalties, targets, specs[0], opts, run, dtype)
+        else:
+            fits = []
+            for i, (data_i, (W0, b0), l2v, spec) in enumerate(
+                zip(placed, starts, penalties, specs, strict=True)
+            ):
+                name, device = targets.names[i], targets.devices[i]
+                params = place(
+                    [W0[:, None].astype(dtype), b0[None].astype(dtype), np.asarray([l2v], dtype)],
+                    name,
+                    device,
+                    "put",
+                )
+                scalars = (*_scalars(opts, run, dtype)[:3], np.int32(i))
+                fits.append(_local_program(spec)(*data_i, *params, *scalars))
+        fits = _progress.wait(fits, run, opts.progress)
+    finally:
+        run.close()
+    models = {
+        name: _model(fit, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
+        for name, fit, (_, _, classes), l2v, spec, (_, c) in zip(
+            targets.names, fits, parts, penalties, specs, shapes, strict=True
+        )
+    }
+    _warn(models, where, specs[0].solver)
+    return models
+
+
+def _private(value: Any, targets: Targets, where: str, what: str, ok: Callable | None = None) -> list:
+    """A value shared by every context, or a {context: value} mapping of private ones."""
+    if not isinstance(value, Mapping):
+        return [value] * len(targets.names)
+    unknown = [k for k in value if k not in targets.names]
+    missing = [k for k in targets.names if k not in value]
+    if unknown or missing:
+        raise ValueError(
+            f"{where}: {what}= as a mapping needs one entry per context ({', '.join(targets.names)}); "
+            + (f"unknown: {unknown}. " if unknown else "")
+            + (f"missing: {missing}." if missing else "")
+        )
+    return [value[k] for k in targets.names]
+
+
+def _per_device_spmd(placed, starts, penalties, targets, spec, opts, run, dtype) -> list[Fit]:
+    """One SPMD program: device i fits model i on the rows already on it (no copies)."""
+    k = len(targets.names)
+    mesh = _parallel.mesh(targets.devices)
+    glob = []
+    for j in range(3):  # X, y, row weights: device i's rows are block i of one global array
+        first = placed[0][j]
+        shape = (k * first.shape[0], *first.shape[1:])
+        sharding = jax.sharding.NamedSharding(mesh, _ROWS)
+        glob.append(jax.make_array_from_single_device_arrays(shape, sharding, [p[j] for p in placed]))
+    W0 = np.stack([w for w, _ in starts], axis=1).astype(dtype)
+    b0 = np.stack([b for _, b in starts]).astype(dtype)
+    batch = Batch(
+        [W0, b0, np.asarray(penalties, dtype)], None, (1, 0, 0), k, _names("init w", "init b", "l2")
+    )
+    params, host_events = _parallel.place_spmd(batch, targets, (1,) * k)
+    t0 = time.perf_counter()
+    out = _mapped_program(spec, targets.devices, "devices")(*glob, *params, *_scalars(opts, run, dtype))
+    _record(host_events, out, t0)
+    return [jax.tree_util.tree_map(lambda a, i=i: _shard(a, targets.devices[i]), out) for i in range(k)]
+
+
+def _shard(a: jax.Array, device: jax.Device) -> jax.Array:
+    """The block of a sharded array that lives on ``device`` (no copy)."""
+    return next(s.data for s in a.addressable_shards if s.device == device)
+
+
+# -- fit_many: K models, several per device ------------------------------------------------
+
+
+def fit_many(
+    X: Any,
+    y: Any,
+    l2: Any = None,
+    *,
+    C: Any = None,
+    rows: Sequence[Any] | None = None,
+    solver: str = "auto",
+    max_iter: int | None = None,
+    tol: float = 1e-5,
+    learning_rate: float = 0.1,
+    contexts: Any = None,
+    progress: bool | None = None,
+) -> Model:
+    """Fits K models on one data set, spread over the contexts, several per device at once.
+
+    Args:
+      X, y: the data, as in ``fit``; every device gets a copy.
+      l2: a list of K penalties (a sweep); or one value for every model when ``rows`` is given.
+      C: scikit-learn's C instead of l2 (one value or a list).
+      rows: K sets of row indices (repeats allowed: bootstrap samples); model i is fitted on
+        ``X[rows[i]], y[rows[i]]``.
+      solver, max_iter, tol, learning_rate, contexts, progress: as in ``fit``.
+
+    Returns:
+      One Model whose arrays have a leading axis of K models (``unstack`` gives a list), on the
+      first context. Each model equals fitting it alone.
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array([0, 0, 1, 1])
+    >>> sweep = mg.logreg.fit_many(X, y, l2=[0.001, 0.01, 0.1])
+    >>> sweep.w.shape, [round(float(w), 3) for w in sweep.w[:, 0]]
+    ((3, 1), [4.122, 2.424, 1.11])
+    """
+    where = "logreg.fit_many"
+    opts = _options(solver, max_iter, tol, learning_rate, progress, where)
+    targets = _parallel.resolve(contexts, where)
+    X = _check_X(X, where)
+    n, d = X.shape
+    y_idx, classes = _encode(y, n, where)
+    dtype = _dtype()
+    if rows is not None:
+        counts = _row_sets(rows, n, where)
+        k_models = len(counts)
+        sizes_n = counts.sum(axis=1)
+    else:
+        counts, sizes_n = None, None
+    values = l2 if l2 is not None else C
+    name = "l2" if l2 is not None else "C"
+    if isinstance(values, Sequence | np.ndarray) and not isinstance(values, str):
+        values = list(np.asarray(values).tolist()) if isinstance(values, np.ndarray) else list(values)
+        if not values:
+            raise ValueError(
+                f"{where}: {name} is an empty list; give one value per model, e.g. {name}=[1e-4, 1e-3]"
+            )
+        if rows is not None and len(values) != k_models:
+            raise ValueError(
+                f"{where}: {name} has {len(values)} values but rows has {k_models} sets; give one {name} "
+                f"per row set, or a single {name} for all"
+            )
+        k_models = len(values)
+    elif rows is None:
+        raise ValueError(
+            f"{where}: nothing to sweep; give a list of penalties (l2=[1e-4, 1e-3, ...]) or of row sets "
+            "(rows=[idx0, idx1, ...]) to fit one model each"
+        )
+    else:
+        values = [values] * k_models
+    per_n = sizes_n if sizes_n is not None else np.full(k_models, n)
+    penalties = [
+        _penalty(v if name == "l2" else None, v if name == "C" else None, float(m), where)
+        for v, m in zip(values, per_n, strict=True)
+    ]
+    c = 1 if len(classes) == 2 else len(classes)
+    used = min(k_models, len(targets.names))
+    targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
+    spec = _spec(opts, d, c, targets.devices[0].platform, reduce=False, mapped=targets.spmd)
+    if targets.spmd:
+        per = -(-k_models // used)
+        chunks = [per] * used
+    else:
+        chunks = list(_parallel.shares(k_models, used))
+    padded = sum(chunks)
+    order = list(range(k_models)) + [k_models - 1] * (padded - k_models)  # repeats the last model
+    pen = np.asarray([penalties[i] for i in order], dtype)
+    omega = np.ones((n, 1), dtype) if counts is None else counts[order].T.astype(dtype)
+    W0, b0 = np.zeros((d, padded, c), dtype), np.zeros((padded, c), dtype)
+    run = _run("logreg.fit_many", targets, [n] * used, chunks, spec)
+    try:
+        if targets.spmd:
+            axes = (None, None, None if counts is None else 1, 1, 0, 0)
+            batch = Batch(
+                [X, y_idx, omega, W0, b0, pen],
+                None,
+                axes,
+                padded,
+                _names("X", "y", "rows", "init w", "init b", "l2"),
+            )
+            placed, host_events = _parallel.place_spmd(batch, targets, tuple(chunks))
+            program = _mapped_program(spec, targets.devices, "models", _REPL if counts is None else _MODELS)
+            t0 = time.perf_counter()
+            out = program(*placed, *_scalars(opts, run, dtype))
+            _record(host_events, out, t0)
+            out = _progress.wait(out, run, opts.progress)
+            first, device = targets.names[0], targets.devices[0]
+            out = Fit(*place(list(out), first, device, "gather", {"from": "+".join(targets.names)}))
+        else:
+            outs, start = [], 0
+            for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
+                part = slice(start, start + m)
+                start += m
+                om = omega if counts is None else omega[:, part]
+                args = place([X, y_idx, om, W0[:, part], b0[part], pen[part]], ctx, device, "replicate")
+                scalars = (*_scalars(opts, run, dtype)[:3], np.int32(i))
+                outs.append(_local_program(spec)(*args, *scalars))
+            outs = _progress.wait(outs, run, opts.progress)
+            first, device = targets.names[0], targets.devices[0]
+            moved = [Fit(*place(list(o), first, device, "gather")) for o in outs]
+            out = Fit(
+                jnp.concatenate([o.W for o in moved], axis=1),
+                jnp.concatenate([o.b for o in moved]),
+                jnp.concatenate([o.hist for o in moved]),
+                jnp.concatenate([jnp.broadcast_to(o.its, (m,)) for o, m in zip(moved, chunks, strict=True)]),
+                jnp.concatenate([o.gmax for o in moved]),
+                jnp.concatenate([o.conv for o in moved]),
+            )
+    finally:
+        run.close()
+    if targets.spmd:  # one iteration count per device: give each model its device's
+        out = out._replace(its=jnp.repeat(out.its, per))
+    model = _model(out, slice(0, k_models), classes, jnp.asarray(pen[:k_models]), spec.solver, c)
+    _warn({"": model}, where, spec.solver)
+    return model
+
+
+def _row_sets(rows: Any, n: int, where: str) -> np.ndarray:
+    """Row-index sets -> (K, n) counts (how often each row is drawn)."""
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence | np.ndarray):
+        raise TypeError(
+            f"{where}: rows must be a list of index arrays, one per model, got {type(rows).__name__}"
+        )
+    if len(rows) == 0:
+        raise ValueError(f"{where}: rows is an empty list; give one array of row indices per model")
+    counts = np.zeros((len(rows), n), np.int64)
+    for i, idx in enumerate(rows):
+        idx = np.asarray(idx)
+        if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu":
+            raise ValueError(
+                f"{where}: rows[{i}] must be a non-empty 1-D array of integer row indices, got "
+                f"{idx.dtype} of shape {idx.shape}"
+            )
+        if idx.min() < 0 or idx.max() >= n:
+            bad = idx[(idx < 0) | (idx >= n)][0]
+            raise ValueError(f"{where}: rows[{i}] has index {int(bad)}, but X has {n} rows (0..{n - 1})")
+        counts[i] = np.bincount(idx, minlength=n)
+    return counts

@@ -1,0 +1,132 @@
+"""Long-running steps: step events from inside compiled loops, and waiting with a progress bar.
+
+A fit compiles its whole loop into one program. Every few iterations the program calls
+``report`` on the host (``jax.debug.callback``), which records a ``step`` event in the ledger
+for the context that reported. The caller waits in ``wait``, on its own thread, which shows a
+progress bar once the work has run for a second (a widget in notebooks, text elsewhere, through
+tqdm, imported only then). Nothing here runs on the compute path except the callback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+
+from ._ledger import Event, execution_label, ledger
+
+_DELAY = 1.0  # seconds of work before a bar appears (progress=None)
+_REFRESH = 0.1  # seconds between bar updates
+
+
+class Run:
+    """One piece of work in flight: what its step events say about each context.
+
+    Args:
+      what: what runs, e.g. ``"logreg.fit (lbfgs)"``.
+      names, devices: context names and short device names, by context index.
+      samples: rows each context processes per iteration and model.
+      models: models each context fits.
+      total: iterations at most (the bar's length), or None when the work stops earlier.
+    """
+
+    _ids = itertools.count(1)
+    _live: ClassVar[dict[int, Run]] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, what: str, names, devices, samples, models, total: int | None):
+        self.id = next(Run._ids)
+        self.what, self.names, self.devices = what, tuple(names), tuple(devices)
+        self.samples, self.models, self.total = tuple(samples), tuple(models), total
+        self.label = execution_label()
+        self.start = time.perf_counter()
+        self._last = {i: (self.start, 0) for i in range(len(self.names))}
+        self.iteration, self.loss, self.grad = 0, float("nan"), float("nan")
+        with Run._lock:
+            Run._live[self.id] = self
+
+    def close(self) -> None:
+        with Run._lock:
+            Run._live.pop(self.id, None)
+
+    def step(self, ctx: int, iteration: int, loss: np.ndarray, grad: np.ndarray, final: bool = False) -> None:
+        """Records one ``step`` event for context ``ctx`` at ``iteration``."""
+        now = time.perf_counter()
+        t_prev, it_prev = self._last.get(ctx, (self.start, 0))
+        self._last[ctx] = (now, iteration)
+        seconds = max(now - t_prev, 1e-9)
+        done = iteration - it_prev
+        loss, grad = np.asarray(loss, np.float64).ravel(), np.asarray(grad, np.float64).ravel()
+        info = {
+            "what": self.what,
+            "iteration": int(iteration),
+            "of": self.total,
+            "models": self.models[ctx],
+            "loss": float(np.nanmean(loss)) if loss.size and not np.isnan(loss).all() else float("nan"),
+            "grad": float(np.nanmax(grad)) if grad.size and not np.isnan(grad).all() else float("nan"),
+            "samples_per_second": done * self.samples[ctx] * self.models[ctx] / seconds,
+            "final": final,
+        }
+        name, dev = self.names[ctx], self.devices[ctx]
+        ledger().record(
+            Event("step", name, name, dev, dev, 0, time.time() - seconds, seconds, self.label, info)
+        )
+        if iteration >= self.iteration:
+            self.iteration, self.loss, self.grad = int(iteration), info["loss"], info["grad"]
+
+
+def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
+    """The host side of ``jax.debug.callback`` in a compiled loop: one step event."""
+    live = Run._live.get(int(np.asarray(run)))
+    if live is not None:  # a run the caller stopped waiting for (Ctrl-C) reports nothing
+        live.step(int(np.asarray(ctx)), int(np.asarray(iteration)), loss, grad)
+
+
+def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
+    """Waits for ``outputs`` on a helper thread, so the caller stays responsive (Ctrl-C works)
+    and can draw a bar: after a second of work when ``progress`` is None, at once when True,
+    never when False. Returns the outputs, or raises what computing them raised."""
+    finished = threading.Event()
+    failure: list[BaseException] = []
+
+    def block() -> None:
+        try:
+            jax.block_until_ready(outputs)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            failure.append(e)
+        finally:
+            finished.set()
+
+    threading.Thread(target=block, name="mgkit-wait", daemon=True).start()
+    bar = None
+    show_at = None if progress is False else time.perf_counter() + (0.0 if progress else _DELAY)
+    try:
+        while not finished.wait(_REFRESH if show_at is not None else None):
+            if bar is None and time.perf_counter() >= show_at:
+                bar = _bar(run)
+            if bar is not None and bar.n != run.iteration:
+                _update(bar, run)
+        if bar is not None:
+            _update(bar, run)
+    finally:
+        if bar is not None:
+            bar.close()
+    if failure:
+        raise failure[0]
+    return outputs
+
+
+def _bar(run: Run) -> Any:
+    from tqdm.auto import tqdm  # a widget in notebooks, text elsewhere
+
+    return tqdm(total=run.total, desc=run.what, unit="it", leave=True)
+
+
+def _update(bar: Any, run: Run) -> None:
+    bar.n = run.iteration
+    bar.set_postfix_str(f"loss {run.loss:.6g}, max|grad| {run.grad:.2e}", refresh=False)
+    bar.refresh()
