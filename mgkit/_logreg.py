@@ -380,9 +380,9 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         descent = jnp.sum(step * st.g, axis=1) < 0
         return jnp.where(descent[:, None], step, -st.g)
 
-    def report(it, f, gmax):
+    def report(it, f, gmax, final=False):
         where = jax.lax.axis_index(AXIS) if spec.mapped else ctx
-        jax.debug.callback(_progress.report, run, where, it, f, gmax)
+        jax.debug.callback(_progress.report_final if final else _progress.report, run, where, it, f, gmax)
 
     def maybe_report(it, f, gmax):
         jax.lax.cond(it % spec.every == 0, lambda: report(it, f, gmax), lambda: None)
@@ -474,6 +474,9 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     # The carried loss and gradient are the returned model's (scores are updated, not
     # recomputed: their rounding stays near float epsilon times the path length).
     f, gmax = st.f, st.gmax
+    if spec.solver == "gd":  # the carry holds the step before the last update: evaluate the last
+        Z = scores(st.W, st.b)
+        f, gmax = value(Z, st.W), jnp.max(jnp.abs(grad(Z, st.W)), axis=1)
     hist = st.hist.at[:, st.it].set(f)
     conv = gmax <= tol
     if spec.solver != "gd":
@@ -488,7 +491,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
 
         limit = jax.lax.cond(jnp.any(st.stalled), floor, lambda: jnp.zeros((M,), dtype))
         conv = conv | (st.stalled & (gmax <= limit))
-    report(st.it, f, gmax)
+    report(st.it, f, gmax, final=True)
     return Fit(st.W, st.b, hist, st.it, gmax, conv)
 
 
@@ -581,7 +584,7 @@ def _check_X(X: Any, where: str, name: str = "X") -> Any:
             row, col = (int(i) for i in np.argwhere(np.asarray(bad))[0])
             raise ValueError(
                 f"{where}: {name} has {count} NaN or infinite value(s), the first at row {row}, column "
-                f"{col} ({np.asarray(arr[row, col])!r}); drop or impute them (e.g. with column means) "
+                f"{col} (value {float(arr[row, col])}); drop or impute them (e.g. with column means) "
                 "before fitting"
             )
     if isinstance(arr, np.ndarray):
@@ -722,28 +725,32 @@ def _pieces(fit: Fit, part: int | tuple, c: int) -> tuple:
 
 
 def _warn(models: Mapping[str, Model], where: str, solver: str) -> None:
-    bad = []
+    """One ConvergenceWarning naming every model that stopped short (and whether it diverged)."""
+    bad, diverged = [], False
     for key, m in models.items():
         conv = np.asarray(m.info.converged).ravel()
         grad = np.asarray(m.info.grad_norm).ravel()
+        hist = np.asarray(m.info.loss).reshape(conv.size, -1)
+        its = np.asarray(m.info.iterations).ravel()
         for j in np.flatnonzero(~conv):
             label = key if conv.size == 1 else f"{key}[{j}]" if key else f"model {j}"
-            bad.append(f"{label}: max|gradient| {grad[j]:.3g}")
-    if bad:
-        shown = "; ".join(bad[:8]) + (f"; ... ({len(bad)} in all)" if len(bad) > 8 else "")
+            bad.append(f"{label + ': ' if label else ''}max|gradient| {grad[j]:.3g}")
+            last = hist[j, its[j] if its.size > 1 else its[0]]
+            diverged |= not np.isfinite(last) or last > hist[j, 0]
+    if not bad:
+        return
+    shown = "; ".join(bad[:8]) + (f"; ... ({len(bad)} in all)" if len(bad) > 8 else "")
+    if diverged:
+        what = "the fit diverged (the objective rose)"
+        fix = "lower learning_rate" if solver == "gd" else "standardise the features or raise l2"
+    else:
+        what = "did not converge"
         fix = (
             "raise max_iter (steps) or use solver='newton' or 'lbfgs'"
             if solver == "gd"
             else "raise max_iter, standardise the features, or raise l2"
         )
-        diverged = any("nan" in b for b in bad)
-        warnings.warn(
-            f"{where}: {'the fit diverged' if diverged else 'did not converge'} ({solver}): {shown}. "
-            + ("Lower learning_rate. " if diverged and solver == "gd" else "")
-            + f"To fix it, {fix}.",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
+    warnings.warn(f"{where}: {what} ({solver}): {shown}. To fix it, {fix}.", ConvergenceWarning, stacklevel=3)
 
 
 def _run(what, targets: Targets, samples, models, spec: Spec) -> _progress.Run:

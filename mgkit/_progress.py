@@ -79,11 +79,16 @@ class Run:
             self.iteration, self.loss, self.grad = int(iteration), info["loss"], info["grad"]
 
 
-def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
+def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any, final: bool = False) -> None:
     """The host side of ``jax.debug.callback`` in a compiled loop: one step event."""
     live = Run._live.get(int(np.asarray(run)))
     if live is not None:  # a run the caller stopped waiting for (Ctrl-C) reports nothing
-        live.step(int(np.asarray(ctx)), int(np.asarray(iteration)), loss, grad)
+        live.step(int(np.asarray(ctx)), int(np.asarray(iteration)), loss, grad, final)
+
+
+def report_final(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
+    """``report`` for the last step of a run."""
+    report(run, ctx, iteration, loss, grad, final=True)
 
 
 def wait(outputs: Any, run: Run, progress: bool | None) -> Any:

@@ -1,0 +1,398 @@
+"""Logistic regression: parity with scikit-learn, the three layouts, the seed's gradient descent,
+telemetry, convergence warnings and bad input."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sklearn.datasets import load_breast_cancer, load_digits
+from sklearn.linear_model import LogisticRegression
+from sklearn.preprocessing import StandardScaler
+
+import mgkit as mg
+
+lr = mg.logreg
+
+
+@pytest.fixture(scope="module")
+def cancer():
+    X, y = load_breast_cancer(return_X_y=True)
+    return StandardScaler().fit_transform(X), y
+
+
+@pytest.fixture(scope="module")
+def digits():
+    X, y = load_digits(return_X_y=True)
+    X = StandardScaler().fit_transform(X)
+    return X[:1300], y[:1300], X[1300:], y[1300:]
+
+
+@pytest.fixture(scope="module")
+def small():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((203, 5)).astype(np.float32)
+    y = (X @ np.array([1.0, -2.0, 0.5, 0.0, 1.5]) + 0.5 * rng.standard_normal(203) > 0).astype(int)
+    return X, y
+
+
+def _sk_model(sk: LogisticRegression) -> lr.Model:
+    binary = len(sk.classes_) == 2
+    w = sk.coef_[0] if binary else sk.coef_.T
+    b = sk.intercept_[0] if binary else sk.intercept_
+    return lr.Model(w, b, sk.classes_, None)
+
+
+def _rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+# -- parity with scikit-learn --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("solver", ["auto", "lbfgs"])
+def test_breast_cancer_matches_scikit_learn(cancer, solver):
+    X, y = cancer
+    l2 = 1 / (2 * len(X))  # C = 1
+    m = lr.fit(X, y, solver=solver)  # 8 contexts, 569 rows: an uneven split
+    assert bool(m.info.converged)
+    # scikit-learn's default stops at tol=1e-4, about 1% from the optimum in its coefficients:
+    # compare the coefficients with its converged fit, the objective with both.
+    default = LogisticRegression(C=1).fit(X, y)
+    converged = LogisticRegression(C=1, tol=1e-10, max_iter=10_000).fit(X, y)
+    assert _rel(m.w, converged.coef_[0]) < 1e-3
+    assert float(m.b) == pytest.approx(converged.intercept_[0], rel=1e-3)
+    for sk in (default, converged):
+        assert lr.objective(m, X, y, l2) <= lr.objective(_sk_model(sk), X, y, l2) * (1 + 1e-4)
+    assert float(lr.score(m, X, y)) == pytest.approx(converged.score(X, y), abs=1e-6)
+
+
+@pytest.mark.parametrize("solver", ["newton", "lbfgs"])
+def test_digits_ten_classes_match_scikit_learn(digits, solver):
+    Xtr, ytr, Xte, yte = digits
+    sk = LogisticRegression(C=1, max_iter=1000).fit(Xtr, ytr)
+    m = lr.fit(Xtr, ytr, solver=solver)
+    assert m.w.shape == (64, 10) and m.b.shape == (10,) and list(m.classes) == list(range(10))
+    assert abs(float(lr.score(m, Xte, yte)) - sk.score(Xte, yte)) <= 0.01
+    l2 = 1 / (2 * len(Xtr))
+    assert lr.objective(m, Xtr, ytr, l2) <= lr.objective(_sk_model(sk), Xtr, ytr, l2) * (1 + 1e-4)
+    assert np.allclose(np.asarray(lr.predict_proba(m, Xte)).sum(1), 1, atol=1e-5)
+
+
+def test_c_maps_to_l2(small):
+    X, y = small
+    a = lr.fit(X, y, C=0.5, contexts=1)
+    b = lr.fit(X, y, l2=1 / (2 * 0.5 * len(X)), contexts=1)
+    np.testing.assert_allclose(np.asarray(a.w), np.asarray(b.w), rtol=1e-6)
+
+
+# -- fit: data-parallel --------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # gd: fixed steps
+@pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
+def test_one_and_eight_contexts_give_the_same_model(small, solver):
+    X, y = small  # 203 rows: uneven on 8 contexts
+    kw = {"l2": 0.01, "solver": solver} | ({"max_iter": 300} if solver == "gd" else {})
+    one, eight = lr.fit(X, y, contexts=1, **kw), lr.fit(X, y, **kw)
+    np.testing.assert_allclose(np.asarray(one.w), np.asarray(eight.w), atol=2e-5)
+    np.testing.assert_allclose(float(one.b), float(eight.b), atol=2e-5)
+    assert int(one.info.iterations) == int(eight.info.iterations)
+
+
+def test_every_device_holds_the_same_model(small):
+    X, y = small
+    m = lr.fit(X, y, l2=0.01)
+    assert m.w.sharding.device_set == set(jax.devices()[:8])
+    shards = [np.asarray(s.data) for s in m.w.addressable_shards]
+    assert all(np.array_equal(shards[0], s) for s in shards[1:])
+    assert mg.where(mg.logreg.predict(m, mg.put(X, "dev3"))) == "dev3"  # the model follows the data
+
+
+def test_split_events_and_padding_rows_do_not_count(small):
+    X, y = small
+    m = lr.fit(X, y, l2=0.01)
+    split = mg.ledger().records("split")
+    assert {e.dst for e in split} == {f"dev{i}" for i in range(8)}
+    rows = {e.dst: e.info["rows"] for e in split if e.info["arrays"] == 3}
+    assert sum(rows.values()) == len(X) and set(rows.values()) == {25, 26}
+    ref = lr.fit(np.concatenate([X, X[-1:]]), np.concatenate([y, y[-1:]]), l2=0.01, contexts=1)
+    assert not np.allclose(np.asarray(ref.w), np.asarray(m.w), atol=1e-6)  # a repeated row would show
+
+
+def test_sample_weight_equals_repeated_rows(small):
+    X, y = small
+    weights = np.ones(len(X))
+    weights[:10] = 3
+    a = lr.fit(X, y, l2=0.01, sample_weight=weights, contexts=1)
+    Xr = np.concatenate([X, X[:10], X[:10]])
+    yr = np.concatenate([y, y[:10], y[:10]])
+    b = lr.fit(Xr, yr, l2=0.01, contexts=1)
+    np.testing.assert_allclose(np.asarray(a.w), np.asarray(b.w), atol=1e-5)
+
+
+def test_predictions_are_pure_and_jittable(small):
+    X, y = small
+    m = lr.fit(X, y, l2=0.01, contexts=1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lr.predict)(m, X)), np.asarray(lr.predict(m, X)))
+    proba = np.asarray(jax.jit(lr.predict_proba)(m, X))
+    assert proba.shape == (len(X), 2) and np.allclose(proba.sum(1), 1)
+    assert float(jax.jit(lr.score)(m, X, y)) == pytest.approx(float(lr.score(m, X, y)))
+    assert m.info.history()[0] == pytest.approx(np.log(2), rel=1e-6)  # zeros: p = 1/2
+    assert np.all(np.diff(m.info.history()) <= 1e-7)  # the objective never rises
+
+
+@pytest.mark.parametrize(
+    "labels", [np.array(["cat", "dog", "emu"]), np.array([-5, 10, 20]), np.array([0.5, 1.5, 2.5])]
+)
+def test_any_distinct_labels_come_back(small, labels):
+    X, _ = small
+    y = labels[np.argmax(X[:, :3], axis=1)]
+    m = lr.fit(X, y, l2=1e-3, contexts=2)
+    assert list(m.classes) == sorted(labels.tolist())
+    pred = np.asarray(lr.predict(m, X))
+    assert set(pred.tolist()) <= set(labels.tolist()) and (pred == y).mean() > 0.9
+
+
+# -- fit_per_device ------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # 300 of the seed's 10000 steps
+def test_seed_000_gradient_descent_is_exact():
+    """Theano's recipe: 400 x 784, random labels, 0.01 * ||w||^2, steps of 0.1, on two devices."""
+    rng = np.random.default_rng(1)
+    N, feats, steps = 400, 784, 300
+    data = {c: (rng.standard_normal((N, feats)), rng.integers(0, 2, N)) for c in ("dev0", "dev1")}
+    init = {c: (rng.standard_normal(feats) * 0.01, 0.0) for c in data}
+    models = lr.fit_per_device(data, l2=0.01, solver="gd", learning_rate=0.1, max_iter=steps, init=init)
+    for ctx, m in models.items():
+        assert mg.where(m.w) == ctx and m.info.solver == "gd" and int(m.info.iterations) == steps
+        X64, y64 = data[ctx]
+        assert m.info.history()[-1] == pytest.approx(lr.objective(m, X64, y64, 0.01), rel=1e-5)
+        X, y = (np.asarray(a, np.float32) for a in data[ctx])
+        w, b = np.asarray(init[ctx][0], np.float32), np.float32(0)
+        for _ in range(steps):  # the seed's update, by hand
+            p = 1 / (1 + np.exp(-(X @ w + b)))
+            w, b = w - 0.1 * (X.T @ (p - y) / N + 0.02 * w), b - 0.1 * np.mean(p - y)
+        np.testing.assert_allclose(np.asarray(m.w), w, atol=2e-5)
+        assert float(m.b) == pytest.approx(float(b), abs=2e-5)
+        assert (np.asarray(lr.predict(m, X)) == y).mean() == 1.0  # 784 features fit 400 labels
+
+
+def test_data_function_runs_on_each_context_with_private_arguments(small):
+    made = {}
+
+    def make(ctx):
+        key = jax.random.key(int(ctx[-1]))
+        X = jax.random.normal(key, (64, 5))
+        made[ctx] = mg.where(X)
+        return X, (X[:, 0] > 0).astype(jnp.int32)
+
+    models = lr.fit_per_device(make, l2={"dev0": 0.1, "dev1": 0.001}, contexts=["dev0", "dev1"])
+    assert made == {"dev0": "dev0", "dev1": "dev1"}
+    assert [float(m.info.l2) for m in models.values()] == pytest.approx([0.1, 0.001])
+    assert abs(float(models["dev1"].w[0])) > abs(float(models["dev0"].w[0]))  # less penalty
+    assert not [e for e in mg.ledger().records("put") if e.src == "host" and e.info["arrays"] == 1]
+
+
+def test_per_device_equals_fitting_each_alone_on_shared_devices(small):
+    X, y = small
+    mg.use_contexts("a->cpu0;b->cpu0;c->cpu1", verbose=False)  # two contexts share a device
+    data = {"a": (X, y), "b": (X[:100], y[:100]), "c": (X[50:], 1 - y[50:])}
+    models = lr.fit_per_device(data, l2=0.01)
+    for ctx, (Xc, yc) in data.items():
+        alone = lr.fit(Xc, yc, l2=0.01, contexts=[ctx])
+        np.testing.assert_allclose(np.asarray(models[ctx].w), np.asarray(alone.w), atol=1e-5)
+        assert models[ctx].w.devices() == {mg.device_of(ctx)}
+
+
+# -- fit_many ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("contexts", [None, 3])
+def test_fit_many_equals_fitting_each_alone(small, contexts):
+    X, y = small
+    penalties = [1e-4, 1e-3, 1e-2, 1e-1, 1.0]  # 5 models: 1 per device on 5 of 8; 2,2,1 on 3
+    sweep = lr.fit_many(X, y, l2=penalties, contexts=contexts)
+    assert sweep.w.shape == (5, 5) and sweep.b.shape == (5,) and mg.where(sweep.w) == "dev0"
+    for i, (m, l2) in enumerate(zip(lr.unstack(sweep), penalties, strict=True)):
+        alone = lr.fit(X, y, l2=l2, contexts=1)
+        np.testing.assert_allclose(np.asarray(m.w), np.asarray(alone.w), atol=1e-5, err_msg=f"model {i}")
+        assert float(m.info.l2) == pytest.approx(l2)
+    acc = np.asarray(lr.score(sweep, X, y))
+    assert acc.shape == (5,) and acc[0] >= acc[-1]
+
+
+def test_fit_many_bootstrap_rows_and_shared_devices(small):
+    X, y = small
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, len(X), len(X)) for _ in range(3)]
+    mg.use_contexts("a->cpu0;b->cpu0", verbose=False)  # one program per context
+    boot = lr.fit_many(X, y, l2=0.01, rows=rows)
+    for i, idx in enumerate(rows):
+        alone = lr.fit(X[idx], y[idx], l2=0.01, contexts=1)
+        np.testing.assert_allclose(np.asarray(boot.w[i]), np.asarray(alone.w), atol=1e-5)
+
+
+def test_fit_many_ten_classes_several_per_device(digits):
+    Xtr, ytr, Xte, yte = digits
+    sweep = lr.fit_many(Xtr, ytr, l2=np.logspace(-4, 0, 11).tolist(), solver="lbfgs", max_iter=300)
+    assert sweep.w.shape == (11, 64, 10) and np.asarray(lr.score(sweep, Xte, yte)).shape == (11,)
+
+
+# -- telemetry -----------------------------------------------------------------------------
+
+
+def test_step_events_per_context(small):
+    X, y = small
+    lr.fit(X, y, l2=0.01, solver="newton")
+    steps = mg.ledger().records("step")
+    assert {e.src for e in steps} == {f"dev{i}" for i in range(8)}
+    final = [e for e in steps if e.info["final"]]
+    assert len(final) == 8 and all(e.info["what"] == "logreg.fit (newton)" for e in steps)
+    assert all(e.info["samples_per_second"] > 0 for e in final if e.info["iteration"])
+    assert {e.info["iteration"] for e in steps} >= {0, final[0].info["iteration"]}
+
+
+@pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")
+def test_progress_bar_in_text(small, capsys):
+    X, y = small
+    lr.fit(X, y, l2=0.01, solver="gd", max_iter=50, progress=True)
+    err = capsys.readouterr().err
+    assert "logreg.fit (gd)" in err and "50/50" in err
+
+
+def test_progress_false_prints_nothing(small, capsys):
+    X, y = small
+    lr.fit(X, y, l2=0.01, contexts=1, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_convergence_failures_warn_with_the_gradient(small):
+    X, y = small
+    with pytest.warns(lr.ConvergenceWarning, match=r"did not converge \(lbfgs\): max\|gradient\| "):
+        m = lr.fit(X, y, l2=0.0, solver="lbfgs", max_iter=2)
+    assert not bool(m.info.converged)
+    with pytest.warns(
+        lr.ConvergenceWarning, match=r"diverged \(the objective rose\) \(gd\).*lower learning_rate"
+    ):
+        lr.fit(X * 1e3, y, l2=0.0, solver="gd", learning_rate=1e6, max_iter=20, contexts=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lr.fit(X, y, l2=0.01, contexts=1)
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+_X = np.random.default_rng(0).standard_normal((20, 3))
+_Y = np.arange(20) % 2
+_nan = _X.copy()
+_nan[3, 1] = np.nan
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: lr.fit(_X[:, 0], _Y), ValueError, r"X must be 2-D.*shape \(20,\).*reshape\(-1, 1\)"),
+        (lambda: lr.fit(_X[None], _Y), ValueError, r"X must be 2-D .*got shape \(1, 20, 3\)"),
+        (lambda: lr.fit(_X, _Y[:-1]), ValueError, "X has 20 rows but y has 19 labels"),
+        (
+            lambda: lr.fit(_nan, _Y),
+            ValueError,
+            r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1 \(value nan\)",
+        ),
+        (lambda: lr.fit(np.full((2, 2), np.inf), [0, 1]), ValueError, "first at row 0, column 0"),
+        (lambda: lr.fit(_X, np.zeros(20)), ValueError, "single class .*needs at least two classes"),
+        (
+            lambda: lr.fit(_X, np.array([1, "a"] * 10, dtype=object)),
+            TypeError,
+            r"cannot be sorted.*\['int', 'str'\]",
+        ),
+        (lambda: lr.fit(_X, _Y, l2=-1.0), ValueError, r"l2=-1.0; the penalty must be finite and >= 0"),
+        (lambda: lr.fit(_X, _Y, l2=float("nan")), ValueError, "l2=nan; the penalty must be finite"),
+        (lambda: lr.fit(_X, _Y, l2="big"), TypeError, "l2='big'; the penalty must be a number"),
+        (lambda: lr.fit(np.zeros((0, 3)), []), ValueError, r"X is empty \(shape \(0, 3\)\)"),
+        (lambda: lr.fit(_X, _Y, contexts=["dev0", "gpu_z"]), ValueError, "unknown context 'gpu_z'.*dev0"),
+        (lambda: lr.fit(_X, _Y, solver="sgd"), ValueError, "solver='sgd'; use 'auto'"),
+        (lambda: lr.fit(_X, _Y, max_iter=0), ValueError, "max_iter=0; give a whole number"),
+        (lambda: lr.fit(_X, _Y, tol=0), ValueError, "tol=0; it must be a positive"),
+        (lambda: lr.fit(_X, _Y, l2=0.1, C=1.0), ValueError, "give l2= or C=, not both"),
+        (lambda: lr.fit(_X, _Y, C=0), ValueError, "C=0; C must be a positive"),
+        (lambda: lr.fit(_X.astype(str), _Y), TypeError, "dtype <U.*features must be real numbers"),
+        (lambda: lr.fit(_X, _Y[:, None]), ValueError, r"y must be 1-D.*use y.ravel\(\)"),
+        (
+            lambda: lr.fit(_X, _Y, sample_weight=-np.ones(20)),
+            ValueError,
+            "sample_weight must be finite and >= 0",
+        ),
+        (
+            lambda: lr.fit(_X, _Y, init=(np.zeros(4), 0.0)),
+            ValueError,
+            r"init has w of shape \(4,\).*needs w \(3,\)",
+        ),
+        (lambda: lr.fit_many(_X, _Y, l2=[]), ValueError, "l2 is an empty list; give one value per model"),
+        (lambda: lr.fit_many(_X, _Y, l2=0.1), ValueError, "nothing to sweep"),
+        (
+            lambda: lr.fit_many(_X, _Y, rows=[[0, 1, 99]]),
+            ValueError,
+            r"rows\[0\] has index 99, but X has 20 rows",
+        ),
+        (lambda: lr.fit_many(_X, _Y, rows=[]), ValueError, "rows is an empty list"),
+        (
+            lambda: lr.fit_many(_X, _Y, l2=[0.1, 0.2], rows=[[0, 1]]),
+            ValueError,
+            "l2 has 2 values but rows has 1",
+        ),
+        (
+            lambda: lr.fit_per_device({"dev9x": (_X, _Y)}),
+            ValueError,
+            "unknown context 'dev9x'; the contexts are dev0",
+        ),
+        (lambda: lr.fit_per_device({}), ValueError, "no data"),
+        (
+            lambda: lr.fit_per_device({"dev0": _X}),
+            TypeError,
+            "data for context 'dev0' is a ndarray; expected a pair",
+        ),
+        (
+            lambda: lr.fit_per_device(lambda c: (_X[:, 0], _Y), contexts=2),
+            ValueError,
+            r"X for context 'dev0' must be 2-D",
+        ),
+        (
+            lambda: lr.fit_per_device(lambda c: (_X, _Y[:5]), contexts=2),
+            ValueError,
+            "X has 20 rows but y for context 'dev0' has 5 labels",
+        ),
+        (
+            lambda: lr.fit_per_device(lambda c: _X, contexts=1),
+            TypeError,
+            "data function returned, for context 'dev0'",
+        ),
+        (
+            lambda: lr.fit_per_device({"dev0": (_X, _Y)}, l2={"dev1": 0.1}),
+            ValueError,
+            r"l2= as a mapping needs one entry per context \(dev0\); unknown: \['dev1'\]. "
+            r"missing: \['dev0'\]",
+        ),
+        (lambda: lr.fit_per_device([(_X, _Y)]), TypeError, "data must be a mapping"),
+        (lambda: lr.fit(_X, _Y, progress="yes"), TypeError, "progress='yes'"),
+    ],
+)
+def test_bad_input_is_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_predict_checks_the_feature_count(small):
+    X, y = small
+    m = lr.fit(X, y, l2=0.01, contexts=1)
+    with pytest.raises(
+        ValueError, match=r"X has 4 features \(shape \(3, 4\)\), but the model was fitted on 5"
+    ):
+        lr.predict(m, X[:3, :4])
+    with pytest.raises(ValueError, match=r"X must be 2-D .*reshape\(1, -1\)"):
+        lr.predict_proba(m, X[0])
+    with pytest.raises(TypeError, match=r"must be a model from mg\.logreg\.fit"):
+        lr.predict((m.w, m.b), X)
