@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_logreg.py [--seconds 30] [--quick] [--repeats N] [--contexts MAP]
-                                      [--devices 8] [--rows 100000] [--features 100]
+                                      [--devices 8] [--rows 100000] [--features 100] [--settle 0.2]
                                       [--sweep cancer|synthetic] [--tol 1e-5] [--bandwidth-gbps GBPS]
 
 Contexts: without an accelerator, ``dev0..dev7 -> cpu0..cpu7`` on ``mg.simulate(--devices)``
@@ -36,14 +36,19 @@ Where it does, mgkit's ``tol`` is divided by 10 and the fit redone, until it doe
 reaches 1e-9); the tightened tol is then used for the timings, and the report says so.
 
 The first call of every variant is timed on its own (for mgkit: tracing and compilation, for a
-variant that brings its own program); those calls and the objective checks are the warm-up. Then
-the variants of a case run interleaved, the order reversed every other round (ABBA), so drift in
-machine speed hits all alike; tables report medians, the median of the per-round ratios with its
-quartiles, and a 10 % trimmed mean. The ledger stays on (as users have it), flushed and cleared
-after every round outside the timed calls; the bytes mgkit moved in each variant's first call
-are reported (a2 and b2 should move no X). On an accelerator, (a2)'s rate of reading X (passes
-per iteration: L-BFGS about 2, Newton about 3) is shown as a share of ``--bandwidth-gbps`` per
-device (default: measured, a 1 GiB float32 device-to-device copy, bytes read + written).
+variant that brings its own program); after them, the objective checks and one untimed round
+(which sizes the run) are the warm-up. Then the variants of a case run interleaved, the order
+reversed every other round (ABBA), so drift in machine speed hits all alike, with an untimed
+pause of --settle seconds before every call: scikit-learn's OpenBLAS threads (and XLA's) keep
+spinning for a while after their work is done, and back to back the next call competes with
+them for the cores (measured: mgkit's fit in (a) took 1.5x longer on a 2-core CPU host and 2.3x
+on an H100 host right after a scikit-learn fit; ``--settle 0`` shows that). Tables report
+medians, the median of the per-round ratios with its quartiles, and a 10 % trimmed mean. The
+ledger stays on (as users have it), flushed and cleared after every round outside the timed
+calls; the bytes mgkit moved in each variant's first call are reported (a2 and b2 should move
+no X). On an accelerator, (a2)'s rate of reading X (passes per iteration: L-BFGS about 2,
+Newton about 3) is shown as a share of ``--bandwidth-gbps`` per device (default: measured, a
+1 GiB float32 device-to-device copy, bytes read + written).
 Without --repeats, each case runs as many rounds as fit in its share of --seconds. Timings are
 reported, never asserted; exit status 0.
 
@@ -95,7 +100,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="time budget for the timed loops (default 30; 4 with --quick)",
     )
-    p.add_argument("--quick", action="store_true", help="a short smoke run: few rounds, no warm-up round")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short smoke run (about 30 s): 2 timed rounds per case, 4 s budget",
+    )
     p.add_argument(
         "--repeats", type=int, default=None, help="timed rounds per case (default: what fits in --seconds)"
     )
@@ -117,6 +126,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="cancer",
         help="data of (c): load_breast_cancer standardised (default) or synthetic 5000 x 50",
     )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.2,
+        metavar="SECONDS",
+        help="untimed pause before every timed call, so the worker threads still spinning after the "
+        "last call (OpenBLAS, XLA) do not slow it (default 0.2; 0: back to back)",
+    )
     p.add_argument("--tol", type=float, default=1e-5, help="mgkit's starting tol (default 1e-5, its default)")
     p.add_argument(
         "--bandwidth-gbps",
@@ -137,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("rows", "features"):
         if getattr(args, name) < 2:
             p.error(f"--{name} must be at least 2")
+    if args.settle < 0:
+        p.error("--settle must be >= 0")
     if not 0 < args.tol < 1:
         p.error("--tol must be in (0, 1)")
     if args.bandwidth_gbps is not None and args.bandwidth_gbps <= 0:
@@ -168,12 +187,23 @@ def _timed(call: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+SETTLE = [0.0]  # --settle, set by main
+
+
+def _settle() -> None:
+    """After a call, before the next is timed: BLAS and XLA worker threads spin for a while after
+    their work is done, and a call timed during that competes with them for the cores."""
+    if SETTLE[0]:
+        time.sleep(SETTLE[0])
+
+
 def _first_calls(variants: list[Variant]) -> None:
     """Times each variant's first call on its own, with the bytes the ledger saw it move."""
     led = mg.ledger()
     for v in variants:
         led.flush()
         led.clear()
+        _settle()
         v.cold, v.last = _timed(v.call)
         led.flush()
         v.moved = sum(e.nbytes for e in led.records() if e.kind != "step")
@@ -187,8 +217,9 @@ def _run_rounds(args: argparse.Namespace, key: str, variants: list[Variant]) -> 
     led = mg.ledger()
     one = 0.0
     for v in variants:
+        _settle()
         seconds, v.last = _timed(v.call)
-        one += seconds
+        one += seconds + SETTLE[0]
     led.flush()
     led.clear()
     if args.repeats is not None:
@@ -202,6 +233,7 @@ def _run_rounds(args: argparse.Namespace, key: str, variants: list[Variant]) -> 
     try:
         for i in range(rounds):
             for v in variants if i % 2 == 0 else variants[::-1]:
+                _settle()
                 seconds, v.last = _timed(v.call)
                 v.times.append(seconds)
             led.flush()
@@ -298,18 +330,27 @@ class Bench:
             first.setdefault(dev, name)
         self.distinct = list(first.values())  # one context per distinct device, in map order
         self.devices = list(first)
+        # (a)'s data-parallel fit runs one SPMD program: devices of the first context's kind only.
+        kind = self.devices[0].platform
+        self.spmd = [
+            (c, dev) for c, dev in zip(self.distinct, self.devices, strict=True) if dev.platform == kind
+        ]
         self.rng = np.random.default_rng(0)
         self.notes: list[str] = []
 
     def one_model(self) -> list[Row]:
         """(a) One model on 100,000 x 100, C=1: lr.fit on 1 and on every device vs scikit-learn."""
         args = self.args
-        n, d = args.rows, args.features
+        one, every, k = [self.names[0]], [c for c, _ in self.spmd], len(self.spmd)
+        if k < len(self.devices):
+            self.notes.append(f"(a): contexts=all uses the {k} distinct device(s) of {one[0]}'s kind")
+        n, d = args.rows - args.rows % k, args.features
+        if n != args.rows:  # a row-sharded X needs equal shards
+            self.notes.append(f"(a): {n} rows, --rows {args.rows} rounded down to a multiple of {k}")
         X, y = synthetic(self.rng, n, d)
         l2 = 1.0 / (2 * n)  # C = 1
-        one, every, k = [self.names[0]], self.distinct, len(self.devices)
         x_dev0 = mg.put(X, self.names[0])
-        mesh = Mesh(np.array(self.devices, dtype=object), ("rows",))
+        mesh = Mesh(np.array([dev for _, dev in self.spmd], dtype=object), ("rows",))
         x_rows = jax.device_put(X, NamedSharding(mesh, P("rows")))
         tols = {"1": args.tol, "k": args.tol}
 
@@ -330,7 +371,7 @@ class Bench:
                 ),
             ]
         else:
-            self.notes.append("(a): the contexts have one distinct device: contexts=all is contexts=1")
+            self.notes.append("(a): one distinct device: contexts=all is contexts=1")
         sk = Variant("sklearn (a)", lambda: _sk_fit(X, y, 1.0, None), "LogisticRegression(C=1).fit(X, y)")
         _first_calls([*variants, sk])
         sk_obj = [lr.objective(_sk_model(sk.last), X, y, l2)]
@@ -592,6 +633,7 @@ def _context_map(args: argparse.Namespace, accelerated: bool) -> mg.ContextMap:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    SETTLE[0] = args.settle
     # Before any JAX operation. On a machine with GPUs this only sets how many CPU devices JAX
     # makes; the contexts below then name the GPUs and the CPU devices stay unused.
     mg.simulate(args.devices)
@@ -615,7 +657,10 @@ def main(argv: list[str] | None = None) -> int:
     how = "" if accelerated else " simulated CPU"
     print(f"devices: {len(jax.devices())}{how} device(s) ({', '.join(kinds)})")
     print(f"contexts: {cmap}")
-    print(f"budget {args.seconds:g} s of timed loops{' (quick)' if args.quick else ''}; ledger on")
+    print(
+        f"budget {args.seconds:g} s of timed loops{' (quick)' if args.quick else ''}; ledger on; "
+        f"{args.settle:g} s untimed pause before every call (--settle)"
+    )
     print()
     load_before = _load()
     mg.ledger().clear()

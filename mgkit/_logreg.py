@@ -224,7 +224,8 @@ def unstack(models: Model) -> list[Model]:
     k = np.shape(models.info.iterations)
     if not k:
         return [models]
-    return [jax.tree_util.tree_map(lambda a, i=i: a[i], models._replace(classes=None)) for i in range(k[0])]
+    pieces = [jax.tree_util.tree_map(lambda a, i=i: a[i], models._replace(classes=None)) for i in range(k[0])]
+    return [m._replace(classes=models.classes) for m in pieces]
 
 
 def _follow(a: Any, X: Any) -> Any:
@@ -1146,6 +1147,10 @@ def fit_many(
     used = min(k_models, len(targets.names))
     targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
     spec = _spec(opts, d, c, targets.devices[0].platform, reduce=False, mapped=targets.spmd)
+    if opts.solver == "auto" and spec.solver == "newton" and targets.devices[0].platform == "cpu":
+        # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
+        # simulated device; L-BFGS needs no factorisation.
+        spec = spec._replace(solver="lbfgs", max_iter=opts.max_iter or _MAX_ITER["lbfgs"], every=10)
     if targets.spmd:
         per = -(-k_models // used)
         chunks = [per] * used

@@ -217,9 +217,10 @@ def test_fit_many_equals_fitting_each_alone(small, contexts):
     sweep = lr.fit_many(X, y, l2=penalties, contexts=contexts)
     assert sweep.w.shape == (5, 5) and sweep.b.shape == (5,) and mg.where(sweep.w) == "dev0"
     for i, (m, l2) in enumerate(zip(lr.unstack(sweep), penalties, strict=True)):
-        alone = lr.fit(X, y, l2=l2, contexts=1)
+        alone = lr.fit(X, y, l2=l2, contexts=1, solver=sweep.info.solver)
         np.testing.assert_allclose(np.asarray(m.w), np.asarray(alone.w), atol=1e-5, err_msg=f"model {i}")
         assert float(m.info.l2) == pytest.approx(l2)
+        assert list(m.classes) == [0, 1]
     acc = np.asarray(lr.score(sweep, X, y))
     assert acc.shape == (5,) and acc[0] >= acc[-1]
 
@@ -231,8 +232,16 @@ def test_fit_many_bootstrap_rows_and_shared_devices(small):
     mg.use_contexts("a->cpu0;b->cpu0", verbose=False)  # one program per context
     boot = lr.fit_many(X, y, l2=0.01, rows=rows)
     for i, idx in enumerate(rows):
-        alone = lr.fit(X[idx], y[idx], l2=0.01, contexts=1)
+        alone = lr.fit(X[idx], y[idx], l2=0.01, contexts=1, solver=boot.info.solver)
         np.testing.assert_allclose(np.asarray(boot.w[i]), np.asarray(alone.w), atol=1e-5)
+
+
+def test_fit_many_many_models_per_simulated_device_finishes():
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((500, 50)).astype(np.float32)
+    y = (X @ rng.standard_normal(50) + rng.logistic(size=500) > 0).astype(int)
+    sweep = lr.fit_many(X, y, l2=np.logspace(-5, 1, 64).tolist(), progress=False)
+    assert sweep.info.solver == "lbfgs" and bool(np.all(sweep.info.converged))
 
 
 def test_fit_many_ten_classes_several_per_device(digits):
