@@ -1101,8 +1101,8 @@ def fit_many(
     >>> import mgkit as mg, numpy as np
     >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array([0, 0, 1, 1])
     >>> sweep = mg.logreg.fit_many(X, y, l2=[0.001, 0.01, 0.1])
-    >>> sweep.w.shape, [round(float(w), 3) for w in sweep.w[:, 0]]
-    ((3, 1), [4.122, 2.424, 1.11])
+    >>> sweep.w.shape, [round(float(w), 2) for w in sweep.w[:, 0]]
+    ((3, 1), [4.12, 2.42, 1.11])
     """
     where = "logreg.fit_many"
     opts = _options(solver, max_iter, tol, learning_rate, progress, where)
