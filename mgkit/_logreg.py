@@ -977,7 +977,7 @@ def fit_per_device(
         parts.append((X, y_idx, classes))
     l2s = _private(l2, targets, where, "l2")
     Cs = _private(C, targets, where, "C")
-    inits = _private(init, targets, where, "init", lambda v: v is None or isinstance(v, Model | tuple))
+    inits = _private(init, targets, where, "init")
     dtype = _dtype()
     same = len({(X.shape, len(cl)) for X, _, cl in parts}) == 1
     shapes = [(X.shape[1], 1 if len(cl) == 2 else len(cl)) for X, _, cl in parts]
@@ -1025,19 +1025,11 @@ def fit_per_device(
     return models
 
 
-def _private(value: Any, targets: Targets, where: str, what: str, ok: Callable | None = None) -> list:
+def _private(value: Any, targets: Targets, where: str, what: str) -> list:
     """A value shared by every context, or a {context: value} mapping of private ones."""
     if not isinstance(value, Mapping):
         return [value] * len(targets.names)
-    unknown = [k for k in value if k not in targets.names]
-    missing = [k for k in targets.names if k not in value]
-    if unknown or missing:
-        raise ValueError(
-            f"{where}: {what}= as a mapping needs one entry per context ({', '.join(targets.names)}); "
-            + (f"unknown: {unknown}. " if unknown else "")
-            + (f"missing: {missing}." if missing else "")
-        )
-    return [value[k] for k in targets.names]
+    return _parallel.per_context(value, targets, f"{what}= as a mapping", where)
 
 
 def _per_device_spmd(placed, starts, penalties, targets, spec, opts, run, dtype) -> list[Fit]:

@@ -131,21 +131,26 @@ def mesh(devices: tuple[jax.Device, ...], axis_name: str = AXIS) -> Mesh:
 # -- sizes ---------------------------------------------------------------------------------
 
 
+def per_context(values: Mapping, targets: Targets, what: str, fn: str) -> list:
+    """The values of a {context: value} mapping in context order; every context exactly once."""
+    unknown = [c for c in values if c not in targets.names]
+    missing = [c for c in targets.names if c not in values]
+    if unknown or missing:
+        raise ValueError(
+            f"{fn}: {what} must have one entry per context ({targets.describe()}); "
+            + (f"unknown: {unknown}. " if unknown else "")
+            + (f"missing: {missing}." if missing else "")
+        )
+    return [values[c] for c in targets.names]
+
+
 def check_weights(weights: Any, targets: Targets, fn: str) -> tuple[float, ...] | None:
     """Validates weights (a sequence or a {context: weight} mapping) against the contexts."""
     if weights is None:
         return None
     k = len(targets.names)
     if isinstance(weights, Mapping):
-        unknown = [c for c in weights if c not in targets.names]
-        missing = [c for c in targets.names if c not in weights]
-        if unknown or missing:
-            raise ValueError(
-                f"{fn}: weights={dict(weights)!r} must have one entry per context ({targets.describe()}); "
-                + (f"unknown: {unknown}. " if unknown else "")
-                + (f"missing: {missing}." if missing else "")
-            )
-        weights = [weights[c] for c in targets.names]
+        weights = per_context(weights, targets, f"weights={dict(weights)!r}", fn)
     elif isinstance(weights, str) or not isinstance(weights, Sequence | np.ndarray):
         raise TypeError(
             f"{fn}: weights must be a list of {k} non-negative numbers, one per context "

@@ -382,7 +382,8 @@ _nan[3, 1] = np.nan
         (
             lambda: lr.fit_per_device({"dev0": (_X, _Y)}, l2={"dev1": 0.1}),
             ValueError,
-            r"l2= as a mapping needs one entry per context \(dev0\); unknown: \['dev1'\]. "
+            r"l2= as a mapping must have one entry per context \(1 context\(s\): dev0\); "
+            r"unknown: \['dev1'\]. "
             r"missing: \['dev0'\]",
         ),
         (lambda: lr.fit_per_device([(_X, _Y)]), TypeError, "data must be a mapping"),
