@@ -76,6 +76,20 @@ __all__ = [
 ]
 
 
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext mgkit``: registers ``%mgkit``, ``%%on`` and ``%%mgkit_peak`` (imports IPython only now)."""
+    from ._magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext mgkit``: removes the magics again."""
+    from ._magics import unload_ipython_extension as unload
+
+    unload(ipython)
+
+
 def _startup() -> None:
     from ._devices import simulate_from_env
 
