@@ -304,7 +304,7 @@ class MgkitMagics(Magics):
             raise UsageError(f"%%on {args[0]}: {e}\nusage: {_ON_USAGE}") from None
         __tracebackhide__ = True
         with scope:
-            return self._run(cell)
+            return self._run(cell, "%%on")
 
     @no_var_expand
     @cell_magic
@@ -334,7 +334,7 @@ class MgkitMagics(Magics):
         unsubscribe = ledger().subscribe(meter)
         t0 = time.perf_counter()
         try:
-            value = self._run(cell)
+            value = self._run(cell, "%%mgkit_peak")
             synchronize()
         finally:
             seconds = time.perf_counter() - t0
@@ -345,7 +345,7 @@ class MgkitMagics(Magics):
             display(report)
         return value
 
-    def _run(self, cell: str) -> Any:
+    def _run(self, cell: str, magic: str) -> Any:
         """Runs cell code in the user's namespace as IPython would; returns its last expression's value."""
         __tracebackhide__ = True
         shell = self.shell
@@ -356,10 +356,18 @@ class MgkitMagics(Magics):
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        exec(shell.compile(tree, filename, "exec"), shell.user_global_ns, shell.user_ns)
-        if last is None:
-            return None
-        return eval(shell.compile(last, filename, "eval"), shell.user_global_ns, shell.user_ns)
+        try:  # compile all before running any, so that a cell that cannot run does not half run
+            body = shell.compile(tree, filename, "exec")
+            value = None if last is None else shell.compile(last, filename, "eval")
+        except SyntaxError as e:
+            if "outside" in (e.msg or "") and ("await" in e.msg or "async" in e.msg):
+                raise UsageError(
+                    f"{magic}: the cell uses top-level await ({e.msg}, line {e.lineno}), which cannot run "
+                    f"inside {magic}; nothing ran. Run the awaiting code in a cell without {magic}."
+                ) from None
+            raise
+        exec(body, shell.user_global_ns, shell.user_ns)
+        return None if value is None else eval(value, shell.user_global_ns, shell.user_ns)
 
 
 def _peak_report(

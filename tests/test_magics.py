@@ -179,6 +179,13 @@ def test_on_accepts_a_device_name_and_runs_magics_inside(shell):
     assert shell.user_ns["w"].devices() == {mg.device_of("cpu5")}
 
 
+def test_on_cell_with_a_syntax_error_raises_it_and_runs_nothing(shell):
+    shell.user_ns.pop("ran", None)
+    err = failed(shell, "%%on dev1\nran = 1\ndef f(:\n    pass")
+    assert type(err) is SyntaxError and err.lineno == 2 and "ran" not in shell.user_ns
+    assert mg.current() == "dev0"
+
+
 def test_on_restores_the_context_after_an_error(shell):
     shell.user_ns.pop("before", None)
     with mg.on("dev2"):
@@ -241,6 +248,13 @@ def test_peak_reports_device_memory_where_the_device_reports_it(shell, monkeypat
     assert re.search(r"dev2\s+cpu2\s+4.9 KiB\s", text) and re.search(r"dev0\s+cpu0\s+n/a", text)
 
 
+def test_peak_measures_an_on_cell_inside_it(shell):
+    result, _ = ok(shell, "%%mgkit_peak\n%%on dev5\nv = jnp.arange(4.0)\nmg.transfer(v, 'dev6')")
+    assert mg.where(shell.user_ns["v"]) == "dev5" and mg.where(result.result) == "dev6"
+    rows = {r[0]: r[3:] for r in shell.user_ns["_mgkit_peak"].rows()}
+    assert rows["dev6"] == (0, 0, 16) and rows["dev5"] == (0, 0, 0)
+
+
 def test_peak_reports_what_ran_when_the_cell_raises(shell):
     err = failed(shell, "%%mgkit_peak\na = mg.put(np.ones(10, np.float32), 'dev1')\n1 / 0")
     assert isinstance(err, ZeroDivisionError)
@@ -276,6 +290,11 @@ BAD = [
     ("%%on dev9\nran = 1", "%%on dev9: unknown context 'dev9'; the contexts are dev0, dev1, dev2, dev3"),
     ("%%on $ctx\nran = 1", "%%on $ctx: $ctx is taken literally, not expanded"),
     ("%%mgkit_peak now\nran = 1", "%%mgkit_peak takes no arguments, got 'now'; usage: %%mgkit_peak"),
+    (
+        "%%on dev1\nran = 1\nawait f()",
+        "%%on: the cell uses top-level await ('await' outside function, line 2)",
+    ),
+    ("%%mgkit_peak\nran = 1\nasync with f():\n  pass", "'async with' outside async function, line 2"),
 ]
 
 
