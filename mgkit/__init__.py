@@ -47,12 +47,16 @@ except _PackageNotFoundError:  # pragma: no cover - running from a source tree w
 __all__ = [
     "ContextError",
     "ContextMap",
+    "Dashboard",
     "DeviceInfo",
+    "DeviceMap",
     "DeviceMismatchError",
     "DeviceTable",
     "Event",
     "Ledger",
     "Parallel",
+    "ThroughputView",
+    "TransferView",
     "colocate",
     "concat",
     "context_map",
@@ -74,6 +78,28 @@ __all__ = [
     "use_contexts",
     "where",
 ]
+
+# Views load on first use, so `import mgkit` imports neither ipywidgets nor matplotlib.
+_LAZY = {
+    "Dashboard": "._widgets",
+    "DeviceMap": "._widgets",
+    "ThroughputView": "._widgets",
+    "TransferView": "._widgets",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mgkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def load_ipython_extension(ipython) -> None:

@@ -1,0 +1,179 @@
+"""Live views: a bounded feed from the ledger, and one background thread that refreshes them all.
+
+A view subscribes to the ledger with a callback that only appends the event to a bounded
+deque, so the thread that records an event (the compute path) never waits on the UI. One
+daemon thread, shared by every live view, calls each view at most ``rate`` times a second to
+set widget values; it holds views weakly, so a view nobody references any more stops
+refreshing and is collected. Widgets are displayed from the main thread only; this thread
+just sets values, which ipywidgets sends to the browser even while a cell runs.
+
+Plots get a time budget on top of the rate: a redraw that took ``c`` seconds is followed by
+none for ``c / DRAW_SHARE`` seconds, so drawing takes at most ~5 % of the wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from ._ledger import Event, Ledger, ledger
+
+log = logging.getLogger("mgkit")
+
+MAX_RATE = 10.0  # refreshes per second, at most
+BUFFER = 10_000  # events a view holds between two refreshes, at most
+DRAW_SHARE = 0.05  # share of the wall time plots may take to draw
+TICK = 0.05  # seconds between the refresh thread's looks at its views
+
+
+def check_count(value: Any, name: str, where: str, lo: int, hi: int, example: int) -> int:
+    """``value`` as an int in ``lo..hi``, else a clear TypeError / ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{where}: {name} must be a whole number from {lo} to {hi}, got {type(value).__name__} "
+            f"{value!r}; e.g. {name}={example}"
+        )
+    if not lo <= value <= hi:
+        raise ValueError(
+            f"{where}: {name}={value} is out of range; use a whole number from {lo} to {hi}, "
+            f"e.g. {name}={example}"
+        )
+    return value
+
+
+def check_rate(rate: Any, where: str) -> float:
+    """Refreshes per second: a real number above 0 and at most MAX_RATE."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float):
+        raise TypeError(
+            f"{where}: rate is refreshes per second, a number above 0 and at most {MAX_RATE:g}, "
+            f"got {rate!r}; e.g. rate=10"
+        )
+    if not (math.isfinite(rate) and 0 < rate <= MAX_RATE):
+        raise ValueError(
+            f"{where}: rate={rate!r} refreshes per second is out of range; use a number above 0 and at "
+            f"most {MAX_RATE:g} (the UI updates at most ~{MAX_RATE:g} times a second), e.g. rate=2"
+        )
+    return float(rate)
+
+
+def check_ledger(value: Any, where: str) -> Ledger:
+    if value is None:
+        return ledger()
+    if not isinstance(value, Ledger):
+        raise TypeError(
+            f"{where}: ledger must be an mg.Ledger (or None for mg.ledger()), got {type(value).__name__} "
+            f"{value!r}"
+        )
+    return value
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel: an IPython shell with a kernel (IPython is not imported here)."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get_ipython() if get_ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
+class Feed:
+    """A bounded buffer of ledger events of some kinds, filled on the recording thread.
+
+    The ledger's callback does one set lookup and one ``deque.append``: it never blocks. When
+    more than ``size`` events arrive between two drains the oldest are dropped.
+    """
+
+    def __init__(self, led: Ledger, kinds: frozenset[str], exclude: bool, size: int = BUFFER):
+        self.buffer: collections.deque[Event] = collections.deque(maxlen=size)
+        append = self.buffer.append
+        if exclude:
+
+            def feed(event: Event) -> None:
+                if event.kind not in kinds:
+                    append(event)
+        else:
+
+            def feed(event: Event) -> None:
+                if event.kind in kinds:
+                    append(event)
+
+        self._unsubscribe = led.subscribe(feed)
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def drain(self) -> list[Event]:
+        """Takes every buffered event, oldest first (events appended meanwhile stay for next time)."""
+        pop = self.buffer.popleft
+        return [pop() for _ in range(len(self.buffer))]
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+class Refresher:
+    """One daemon thread that ticks every live view; views are held weakly."""
+
+    def __init__(self, period: float = TICK):
+        self.period = period
+        self._views: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, view: Any) -> None:
+        with self._lock:
+            self._views.add(view)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mgkit-views", daemon=True)
+                self._thread.start()
+
+    def discard(self, view: Any) -> None:
+        with self._lock:
+            self._views.discard(view)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._views)
+
+    @property
+    def running(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    def tick(self, now: float | None = None) -> int:
+        """Refreshes every view that is due; returns how many changed. A view that raises is
+        logged (once) and the others go on."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            views = list(self._views)
+        changed = 0
+        for view in views:
+            try:
+                changed += bool(view._tick(now))
+            except Exception:
+                view.errors += 1
+                if view.errors == 1:
+                    log.exception(
+                        "mgkit: refreshing %s failed; it keeps its last values", type(view).__name__
+                    )
+        del views  # hold no view between ticks: views are collected when nobody else holds them
+        return changed
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._views:
+                    self._thread = None
+                    return
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001  # pragma: no cover - interpreter shutdown
+                return
+            time.sleep(self.period)
+
+
+REFRESHER = Refresher()

@@ -1,0 +1,1059 @@
+"""Live views of devices, transfers and throughput: widgets in notebooks, text elsewhere.
+
+Each view follows the ledger through a bounded feed and is refreshed by one shared background
+thread (``_live``) at most ``rate`` times a second, so it updates while a long cell runs.
+ipywidgets and matplotlib are imported only when a widget is made or a picture is drawn; the
+pictures are drawn on ``Figure`` objects with an Agg canvas (no pyplot, no display, any thread).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import html
+import io
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from . import _contexts, _devices
+from ._errors import ContextError
+from ._ledger import Event, Ledger, Matrix, short_label
+from ._live import DRAW_SHARE, REFRESHER, Feed, check_count, check_ledger, check_rate, in_kernel
+from ._table import html_table, human_bytes, text_table
+
+COMPUTE_KINDS = frozenset({"step", "run"})
+"""Event kinds that are work on a context; every other kind moves bytes."""
+
+
+def require_ipywidgets(where: str) -> Any:
+    """The ipywidgets module, or an ImportError saying how to install it."""
+    try:
+        import ipywidgets
+    except ImportError as e:
+        raise ImportError(
+            f"{where} is shown as an ipywidgets widget in notebooks, and ipywidgets is not installed. "
+            "Install it with `pip install 'ipywidgets>=8.1'` and restart the kernel; or pass "
+            "widget=False to get the text view (print(view)) and view.save_png(path) for a picture."
+        ) from e
+    return ipywidgets
+
+
+def require_matplotlib(where: str) -> None:
+    """Checks that matplotlib imports, else raises an ImportError saying how to install it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"{where} draws its plots with matplotlib, which is not installed. Install it with "
+            "`pip install 'matplotlib>=3.8'`; the text view (print(view)) works without it."
+        ) from e
+
+
+# -- pictures --------------------------------------------------------------------------------
+
+LIVE_DPI = 72
+_ANNOTATE_UP_TO = 12  # write the bytes into heatmap cells when there are at most this many names
+_CURRENT = "#f5a623"
+_BAR = "#4c78a8"
+
+
+def figure(width: float, height: float, dpi: int = LIVE_DPI) -> Any:
+    """A matplotlib Figure with an Agg canvas (no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png_bytes(fig: Any, dpi: int = LIVE_DPI) -> bytes:
+    """Renders a figure to PNG (fast compression: these pictures are redrawn often)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})
+    return buf.getvalue()
+
+
+def write_png(fig: Any, path: str, dpi: int) -> None:
+    fig.savefig(path, format="png", dpi=dpi)
+
+
+def context_colors(names: Sequence[str]) -> dict[str, str]:
+    """One stable colour per context name, in the order given."""
+    return {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(names))}
+
+
+def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]]) -> None:
+    """Horizontal bars: memory in use / limit per context; ``n/a`` where the device reports none.
+
+    rows: (context, device, bytes in use, byte limit, is current).
+    """
+    ax.clear()
+    y = np.arange(len(rows))
+    for i, (_, _, used, limit, current) in enumerate(rows):
+        if used is not None and limit:
+            share = min(used / limit, 1.0)
+            ax.barh(i, share, color=_CURRENT if current else _BAR)
+            note = f"{human_bytes(used)} / {human_bytes(limit)}"
+        else:
+            note = "n/a" if used is None else f"{human_bytes(used)} / ?"
+        ax.text(0.01, i, note, va="center", fontsize=8)
+    ax.set_yticks(y, [f"{'* ' if r[4] else ''}{r[0]} -> {r[1]}" for r in rows], fontsize=8)
+    for tick, row in zip(ax.get_yticklabels(), rows, strict=True):
+        if row[4]:
+            tick.set_fontweight("bold")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("memory in use / limit", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title("devices (* current context)", fontsize=9)
+
+
+def draw_heatmap(ax, names: Sequence[str], values: np.ndarray, title: str) -> None:
+    """Bytes moved from each name (row) to each name (column), log colour scale."""
+    ax.clear()
+    labels = [short_label(n) for n in names]
+    if not names:
+        ax.text(0.5, 0.5, "no transfers yet", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    from matplotlib.colors import LogNorm
+
+    ax.set_axis_on()
+    masked = np.ma.masked_equal(values.astype(np.float64), 0.0)
+    top = float(values.max()) if values.size else 0.0
+    norm = LogNorm(vmin=max(1.0, float(masked.min())), vmax=max(top, 2.0)) if top > 0 else None
+    image = ax.imshow(masked, cmap="viridis", norm=norm, aspect="auto")
+    ax.set_xticks(range(len(names)), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(len(names)), labels, fontsize=7)
+    ax.set_xlabel("to", fontsize=8)
+    ax.set_ylabel("from", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    if len(names) <= _ANNOTATE_UP_TO:
+        for (i, j), v in np.ndenumerate(values):
+            if v:
+                color = "black" if image.norm(v) > 0.6 else "white"
+                ax.text(j, i, human_bytes(int(v)), ha="center", va="center", fontsize=6, color=color)
+
+
+def draw_throughput(
+    ax_rate, ax_step, series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], colors: dict[str, str]
+) -> None:
+    """samples/s (top) and step time in ms (bottom) against time, one line per context.
+
+    series: context -> (time in s, samples per second, step seconds).
+    """
+    ax_rate.clear()
+    ax_step.clear()
+    for name, (t, rate, step) in series.items():
+        color = colors.get(name)
+        ax_rate.plot(t, rate, lw=1.2, color=color, label=name)
+        ax_step.plot(t, step * 1e3, lw=1.0, color=color)
+    if not series:
+        ax_rate.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax_rate.transAxes)
+    elif len(series) <= 10:
+        ax_rate.legend(fontsize=7, ncols=min(len(series), 5), loc="upper left")
+    ax_rate.set_ylabel("samples/s", fontsize=8)
+    ax_step.set_ylabel("step (ms)", fontsize=8)
+    ax_step.set_xlabel("time (s)", fontsize=8)
+    for ax in (ax_rate, ax_step):
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    ax_rate.set_title("throughput per context", fontsize=9)
+
+
+# -- views --------------------------------------------------------------------------------
+
+
+class LiveView(abc.ABC):
+    """What every view shares: arguments, the ledger feed, the widget, refresh and close.
+
+    A subclass sets its state, then calls ``_start()``; it implements ``_update(events,
+    budgeted)`` (fold events into its state and set widget values; True when anything
+    changed), ``text()``, ``html()``, ``_build(widgets)`` and ``_draw_figure(fig)``.
+    """
+
+    kinds: ClassVar[frozenset[str] | None] = None  # event kinds the view follows; None: no feed
+    exclude: ClassVar[bool] = False  # True: every kind except ``kinds``
+    polls: ClassVar[bool] = False  # True: refresh on every tick, events or not
+    draws: ClassVar[bool] = False  # True: the widget shows a matplotlib picture
+    css_class: ClassVar[str] = ""
+    headers: ClassVar[tuple[str, ...]] = ()  # the columns of the view's table
+    figsize: ClassVar[tuple[float, float]] = (7.0, 4.5)  # inches, for save_png
+
+    def __init__(
+        self, rate: float, ledger: Ledger | None, widget: bool | None, live: bool, contexts: Any = None
+    ):
+        self._where = f"mg.{type(self).__name__}()"
+        self.rate = check_rate(rate, self._where)
+        self._ledger = check_ledger(ledger, self._where)
+        if widget is not None and not isinstance(widget, bool):
+            raise TypeError(
+                f"{self._where}: widget must be True (an ipywidgets widget), False (text) or None "
+                f"(a widget inside a Jupyter kernel, text elsewhere), got {widget!r}"
+            )
+        self._as_widget = in_kernel() if widget is None else widget
+        if not isinstance(live, bool):
+            raise TypeError(
+                f"{self._where}: live must be True (refreshed by a background thread while cells run) "
+                f"or False (call view.refresh() yourself), got {live!r}"
+            )
+        self.live = live
+        self.contexts = check_contexts(contexts, self._where)
+        self._lock = threading.RLock()
+        self._feed: Feed | None = None
+        self._next = 0.0
+        self._box: Any = None
+        self.updates = 0
+        self.errors = 0
+        self.closed = False
+
+    def _start(self) -> None:
+        widgets = require_ipywidgets(self._where) if self._as_widget else None
+        if self._as_widget and self.draws:
+            require_matplotlib(self._where)
+        self._seed()
+        if self.kinds is not None:
+            self._feed = Feed(self._ledger, self.kinds, self.exclude)
+            weakref.finalize(self, self._feed.close)
+        if widgets is not None:
+            self._box = self._build(widgets)
+            self._box.add_class(self.css_class)
+        self.refresh()
+        if self.live and self._box is not None:
+            REFRESHER.add(self)
+
+    # -- subclass hooks ----------------------------------------------------------------------
+
+    def _seed(self) -> None:  # noqa: B027 - most views start empty
+        """Takes what the ledger already holds, before the feed starts."""
+
+    @abc.abstractmethod
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        """Folds new events into the view's state and sets widget values; True when anything changed."""
+
+    def _stale(self) -> bool:
+        """True when something is waiting to be drawn even without new events."""
+        return False
+
+    @abc.abstractmethod
+    def text(self) -> str:
+        """The view as plain text."""
+
+    @abc.abstractmethod
+    def html(self) -> str:
+        """The view as static HTML."""
+
+    @abc.abstractmethod
+    def _build(self, widgets: Any) -> Any:
+        """Makes the view's widgets (on the main thread); returns the box that holds them."""
+
+    @abc.abstractmethod
+    def _draw_figure(self, fig: Any) -> None:
+        """Draws the view onto an empty matplotlib figure."""
+
+    def _rows(self) -> list[tuple]:
+        """The rows of the view's table, as shown."""
+        return []
+
+    def _table(self, title: str, as_html: bool = False) -> str:
+        return (html_table if as_html else text_table)(self.headers, self._rows(), title)
+
+    def _figsize(self) -> tuple[float, float]:
+        return self.figsize
+
+    def _figure(self) -> Any:
+        """A new figure of the view, for save_png."""
+        fig = figure(*self._figsize(), dpi=100)
+        self._draw_figure(fig)
+        return fig
+
+    # -- refreshing --------------------------------------------------------------------------
+
+    @property
+    def widget(self) -> Any:
+        """The ipywidgets box (None for a text view)."""
+        return self._box
+
+    @property
+    def pending(self) -> int:
+        """Events waiting in the view's buffer for the next refresh."""
+        return len(self._feed) if self._feed is not None else 0
+
+    def refresh(self) -> bool:
+        """Applies what happened since the last refresh: folds new events in, sets widget values
+        and redraws plots. The live thread calls this at most ``rate`` times a second; call it
+        yourself for an immediate update. Returns whether anything shown changed."""
+        return self._refresh(budgeted=False)
+
+    def _refresh(self, budgeted: bool) -> bool:
+        with self._lock:
+            if self.closed:
+                return False
+            events = self._feed.drain() if self._feed is not None else []
+            changed = bool(self._update(events, budgeted))
+            self.updates += changed
+            return changed
+
+    def _tick(self, now: float) -> bool:
+        """The live thread's call: refreshes when due (rate) and when there is something to show."""
+        if self.closed or now < self._next:
+            return False
+        if not (self.polls or self.pending or self._stale()):
+            return False
+        self._next = now + 1.0 / self.rate
+        return self._refresh(budgeted=True)
+
+    def close(self) -> None:
+        """Stops following the ledger and refreshing; a displayed widget keeps its last values."""
+        with self._lock:
+            self.closed = True
+            if self._feed is not None:
+                self._feed.close()
+        REFRESHER.discard(self)
+
+    def __enter__(self) -> LiveView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- showing -----------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        self.refresh()
+        return self.text()
+
+    def _repr_mimebundle_(self, include: Iterable[str] | None = None, exclude: Iterable[str] | None = None):
+        self.refresh()
+        if self._box is not None:
+            bundle = self._box._repr_mimebundle_(include=include, exclude=exclude)
+            bundle["text/plain"] = self.text()
+            return bundle
+        return {"text/plain": self.text(), "text/html": self.html()}
+
+    def save_png(self, path: str | os.PathLike, dpi: int = 100) -> str:
+        """Writes a static picture of the view (matplotlib, no notebook needed); returns the path.
+
+        Args:
+          path: a file name ending in ``.png``; its folder must exist.
+          dpi: dots per inch, 30 to 600.
+        """
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(
+                f"save_png(path): path must be a str or os.PathLike, got {type(path).__name__} {path!r}"
+            )
+        path = os.fspath(path)
+        if not path.lower().endswith(".png"):
+            raise ValueError(f"save_png({path!r}) writes PNG pictures; give a file name ending in .png")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"save_png({path!r}): the folder {folder!r} does not exist; create it first "
+                "(os.makedirs(folder, exist_ok=True))"
+            )
+        dpi = check_count(dpi, "dpi", f"{self._where}.save_png", 30, 600, 100)
+        require_matplotlib(f"{self._where}.save_png")
+        self.refresh()
+        with self._lock:
+            fig = self._figure()
+        write_png(fig, path, dpi)
+        return path
+
+
+_MAIN_STACK: list[str] | None = None  # the main thread's ``mg.on`` stack, read by the live thread
+
+
+def _watch_main_stack() -> None:
+    """Keeps a reference to the main thread's ``mg.on`` scope stack (a thread-local list that
+    ``mg.on`` appends to and pops from), so the live thread can show the main thread's context."""
+    global _MAIN_STACK
+    if _MAIN_STACK is None and threading.current_thread() is threading.main_thread():
+        stack = getattr(_contexts._local, "stack", None)
+        if stack is None:
+            stack = _contexts._local.stack = []
+        _MAIN_STACK = stack
+
+
+def shown_current() -> str | None:
+    """The current context as the main thread (where cells run) sees it, from any thread."""
+    if threading.current_thread() is threading.main_thread():
+        return _contexts.current()
+    stack = _MAIN_STACK
+    if stack:
+        try:
+            return stack[-1]
+        except IndexError:  # popped between the two reads
+            pass
+    return _contexts.current()
+
+
+def check_contexts(contexts: Any, where: str) -> tuple[str, ...] | None:
+    """The context names a view is limited to (None: every context), checked against the map."""
+    if contexts is None:
+        return None
+    if isinstance(contexts, str):
+        contexts = [contexts]
+    elif not isinstance(contexts, list | tuple | set | frozenset):
+        raise TypeError(
+            f"{where}: contexts must be a list of context names (or None for all), got "
+            f"{type(contexts).__name__} {contexts!r}; e.g. contexts=['dev0', 'dev1']"
+        )
+    names = list(contexts)
+    known = _contexts.context_map().names
+    if not names:
+        raise ValueError(
+            f"{where}: contexts is empty; pass None to show every context, or some of {', '.join(known)}"
+        )
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{where}: context names are strings, got {type(name).__name__} {name!r} in {contexts!r}"
+            )
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ContextError(
+            f"{where}: unknown context(s) {', '.join(map(repr, unknown))}; the contexts are "
+            f"{', '.join(known)}. Define more with mg.use_contexts(...) first, or pass contexts=None."
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _ledger_totals(led: Ledger) -> dict[tuple[str, str, str], tuple[int, int, float]]:
+    """The ledger's running totals per (kind, source, target), read without waiting for events
+    in flight (``summary()`` waits for them, which a refresh must not)."""
+    with led._lock:
+        return {key: (int(c), int(b), float(t)) for key, (c, b, t) in led._totals.items()}
+
+
+def _cell(label: int | None) -> str:
+    return "" if label is None else f"In [{label}]"
+
+
+def _gbps(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 and nbytes else "n/a"
+
+
+def _rate(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+class _Plotted(LiveView):
+    """A view with a live matplotlib picture: redrawn when its data changed, within a budget."""
+
+    draws = True
+
+    def __init__(self, rate: float, ledger: Ledger | None, widget: bool | None, live: bool, contexts: Any):
+        super().__init__(rate, ledger, widget, live, contexts)
+        self._image: Any = None
+        self._live_fig: Any = None
+        self._version = 0  # bumped when the data behind the picture changes
+        self._drawn = -1
+        self._draw_next = 0.0
+        self.redraws = 0
+
+    def _stale(self) -> bool:
+        return self._image is not None and self._drawn != self._version
+
+    def _redraw(self, budgeted: bool) -> bool:
+        """Redraws the picture if its data changed; from the live thread only when the budget
+        allows (drawing takes at most DRAW_SHARE of the wall time)."""
+        if not self._stale():
+            return False
+        now = time.monotonic()
+        if budgeted and now < self._draw_next:
+            return False
+        t0 = time.perf_counter()
+        version = self._version
+        self._live_fig.clear()
+        self._draw_figure(self._live_fig)
+        self._image.value = png_bytes(self._live_fig)
+        cost = time.perf_counter() - t0
+        self._draw_next = now + max(1.0 / self.rate, cost / DRAW_SHARE)
+        self._drawn = version
+        self.redraws += 1
+        return True
+
+
+class Header(LiveView):
+    """JAX version, backend, devices and whether they are simulated; the context map."""
+
+    polls = True
+    css_class = "mgkit-header"
+    figsize = (10.0, 0.8)
+
+    def __init__(self, rate: float = 1.0, widget: bool | None = None, live: bool = True):
+        super().__init__(rate, None, widget, live)
+        self._text = ""
+        self._start()
+
+    def facts(self) -> dict[str, Any]:
+        """mgkit and JAX versions, backend, devices per platform, simulated or not, the context map."""
+        import jax
+
+        from . import __version__
+
+        platforms = collections.Counter(name.rstrip("0123456789") for name in _devices.device_names())
+        cpus = platforms.get("cpu", 0)
+        flags = os.environ.get("XLA_FLAGS", "")
+        simulated = cpus > 1 and (
+            jax.config.jax_num_cpu_devices > 1 or "xla_force_host_platform_device_count" in flags
+        )
+        return {
+            "mgkit": __version__,
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "devices": dict(platforms),
+            "simulated": simulated,
+            "contexts": str(_contexts.context_map()),
+        }
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        f = self.facts()
+        devices = ", ".join(f"{n} {p.upper()}" for p, n in f["devices"].items())
+        sim = f"yes ({f['devices'].get('cpu', 0)} simulated CPU devices)" if f["simulated"] else "no"
+        text = (
+            f"mgkit {f['mgkit']} | jax {f['jax']} | backend {f['backend']} | devices: {devices} | "
+            f"simulated: {sim}\ncontexts: {f['contexts']}"
+        )
+        if text == self._text:
+            return False
+        self._text = text
+        if self._box is not None:
+            self._html.value = self.html()
+        return True
+
+    def text(self) -> str:
+        return self._text
+
+    def html(self) -> str:
+        lines = "<br>".join(map(html.escape, self._text.splitlines()))
+        return f'<div style="font-family:monospace;font-size:12px">{lines}</div>'
+
+    def _build(self, widgets: Any) -> Any:
+        self._html = widgets.HTML()
+        return widgets.VBox([self._html])
+
+    def _draw_figure(self, fig: Any) -> None:
+        fig.text(0.01, 0.5, self._text, va="center", fontsize=8, family="monospace")
+
+
+class DeviceMap(LiveView):
+    """Context name -> device -> platform, memory in use / limit, the current context highlighted.
+
+    A widget in notebooks (refreshed live), text elsewhere (``print(mg.DeviceMap())``).
+
+    Args:
+      contexts: context names to show (default: every context of the current map).
+      rate: refreshes per second, above 0 and at most 10 (device memory is polled at this rate).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while a cell runs; False:
+        only when you call ``refresh()``.
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> print(mg.DeviceMap(widget=False))  # doctest: +ELLIPSIS
+    mgkit device map: 2 context(s), current (*) dev0
+    context  device  platform  kind  memory in use / limit
+    ...
+    * dev0   cpu0    cpu       cpu   n/a
+      dev1   cpu1    cpu       cpu   n/a
+    """
+
+    polls = True
+    css_class = "mgkit-devicemap"
+    headers = ("context", "device", "platform", "kind", "memory in use / limit")
+
+    def __init__(
+        self,
+        contexts: Iterable[str] | None = None,
+        rate: float = 2.0,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, None, widget, live, contexts)
+        self._state: list[tuple] = []
+        _watch_main_stack()
+        self._start()
+
+    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool]]:
+        """(context, device, platform, kind, bytes in use, byte limit, is current) per context, now."""
+        self.refresh()
+        return list(self._state)
+
+    def _poll(self) -> list[tuple]:
+        cmap = _contexts.context_map()
+        current = shown_current()
+        rows = []
+        for name in cmap.names:
+            if self.contexts is not None and name not in self.contexts:
+                continue
+            device = _contexts.device_of(name)
+            short = _devices.short_name(device)
+            stats = _devices.memory(device) or (None, None)
+            used, limit = stats
+            rows.append(
+                (name, short, short.rstrip("0123456789"), device.device_kind, used, limit, name == current)
+            )
+        return rows
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        rows = self._poll()
+        if rows == self._state:
+            return False
+        self._state = rows
+        if self._box is not None:
+            self._html.value = self.html()
+        return True
+
+    @staticmethod
+    def _memory(used: int | None, limit: int | None) -> str:
+        if used is None and limit is None:
+            return "n/a"
+        used_s = "?" if used is None else human_bytes(used)
+        limit_s = "?" if limit is None else human_bytes(limit)
+        share = f" ({100 * used / limit:.0f}%)" if used is not None and limit else ""
+        return f"{used_s} / {limit_s}{share}"
+
+    def _title(self) -> str:
+        current = next((r[0] for r in self._state if r[6]), None)
+        return f"mgkit device map: {len(self._state)} context(s), current (*) {current or '(none shown)'}"
+
+    def _rows(self) -> list[tuple]:
+        return [
+            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], self._memory(r[4], r[5]))
+            for r in self._state
+        ]
+
+    def text(self) -> str:
+        return self._table(self._title())
+
+    def html(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
+        body = []
+        for name, device, platform, kind, used, limit, current in self._state:
+            bar = ""
+            if used is not None and limit:
+                pct = min(100.0, 100.0 * used / limit)
+                bar = (
+                    '<div style="display:inline-block;width:120px;height:10px;background:#e6e6e6;'
+                    'vertical-align:middle;margin-right:6px"><div style="height:100%;'
+                    f'width:{pct:.1f}%;background:#4c78a8"></div></div>'
+                )
+            style = ' class="mgkit-current" style="background:#fff3c4;font-weight:bold"' if current else ""
+            cells = [("&#9654; " if current else "") + esc(name), *map(esc, (device, platform, kind))]
+            cells.append(bar + esc(self._memory(used, limit)))
+            body.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        return (
+            f'<table class="mgkit"><caption>{esc(self._title())}</caption><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>"
+        )
+
+    def _build(self, widgets: Any) -> Any:
+        self._html = widgets.HTML()
+        return widgets.VBox([self._html])
+
+    def _draw(self, ax: Any) -> None:
+        draw_memory(ax, [(r[0], r[1], r[4], r[5], r[6]) for r in self._state])
+
+    def _figsize(self) -> tuple[float, float]:
+        return 6.0, 0.35 * len(self._state) + 1.2
+
+    def _draw_figure(self, fig: Any) -> None:
+        self._draw(fig.subplots())
+
+
+class TransferView(_Plotted):
+    """The most recent transfers, totals, and a heatmap of bytes moved between contexts.
+
+    Totals and the heatmap count every transfer since the ledger was last cleared (like
+    ``mg.ledger().summary()``); the table lists the newest ``max_rows`` transfers.
+
+    Args:
+      contexts: show only transfers from or to these contexts (default: all).
+      max_rows: how many recent transfers to list, 1 to 1000.
+      rate: refreshes per second, above 0 and at most 10.
+      ledger: the ledger to follow (default ``mg.ledger()``).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while a cell runs; False:
+        only when you call ``refresh()``.
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> mg.ledger().clear()
+    >>> view = mg.TransferView(widget=False)
+    >>> _ = mg.transfer(mg.put(1.0, "dev0"), "dev1")
+    >>> mg.ledger().flush()
+    True
+    >>> print(view)  # doctest: +ELLIPSIS
+    mgkit transfers: 2 (8 B moved...)
+    ...
+    """
+
+    kinds = COMPUTE_KINDS
+    exclude = True
+    css_class = "mgkit-transfers"
+    figsize = (6.0, 5.0)
+    headers = ("kind", "from", "to", "bytes", "GB/s", "cell")
+
+    def __init__(
+        self,
+        contexts: Iterable[str] | None = None,
+        max_rows: int = 10,
+        rate: float = 10.0,
+        ledger: Ledger | None = None,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, ledger, widget, live, contexts)
+        self.max_rows = check_count(max_rows, "max_rows", self._where, 1, 1000, 10)
+        self._recent: collections.deque[Event] = collections.deque(maxlen=self.max_rows)
+        self._totals: dict[tuple[str, str, str], tuple[int, int, float]] = {}
+        self.count = 0
+        self.nbytes = 0
+        self.seconds = 0.0
+        self._matrix = Matrix([], np.zeros((0, 0), dtype=np.int64))
+        self._start()
+
+    def _keep(self, src: str, dst: str) -> bool:
+        return self.contexts is None or src in self.contexts or dst in self.contexts
+
+    def _seed(self) -> None:
+        events = [
+            e for e in self._ledger.records() if e.kind not in COMPUTE_KINDS and self._keep(e.src, e.dst)
+        ]
+        self._recent.extend(events[-self.max_rows :])
+
+    def recent(self) -> list[Event]:
+        """The newest transfers, newest first."""
+        self.refresh()
+        return list(reversed(self._recent))
+
+    def matrix(self) -> Matrix:
+        """Bytes moved between every pair of names shown (row: from, column: to)."""
+        self.refresh()
+        return self._matrix
+
+    def _fold_totals(self, totals: dict) -> None:
+        names = list(self.contexts or _contexts.context_map().names)
+        count = nbytes = 0
+        seconds = 0.0
+        kept = []
+        for (kind, src, dst), (c, b, t) in totals.items():
+            if kind in COMPUTE_KINDS or not self._keep(src, dst):
+                continue
+            count, nbytes, seconds = count + c, nbytes + b, seconds + t
+            kept.append((src, dst, b))
+            names.extend(n for n in (src, dst) if n not in names)
+        values = np.zeros((len(names), len(names)), dtype=np.int64)
+        index = {n: i for i, n in enumerate(names)}
+        for src, dst, b in kept:
+            values[index[src], index[dst]] += b
+        if count < self.count:  # the ledger was cleared
+            self._recent.clear()
+        self.count, self.nbytes, self.seconds = count, nbytes, seconds
+        self._matrix = Matrix(names, values)
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        totals = _ledger_totals(self._ledger)
+        changed = False
+        if totals != self._totals:
+            self._totals = totals
+            old = self._matrix
+            self._fold_totals(totals)
+            if old.names != self._matrix.names or not np.array_equal(old.values, self._matrix.values):
+                self._version += 1
+            changed = True
+        kept = [e for e in events if self._keep(e.src, e.dst)]
+        if kept:
+            self._recent.extend(kept)
+            changed = True
+        if self._box is not None and changed:
+            self._count_label.value = f"transfers: {self.count}"
+            self._html.value = self._table(self._recent_title(), as_html=True)
+        return self._redraw(budgeted) or changed
+
+    def _title(self) -> str:
+        return (
+            f"mgkit transfers: {self.count} ({human_bytes(self.nbytes)} moved, "
+            f"{_gbps(self.nbytes, self.seconds)} GB/s per transfer on average)"
+        )
+
+    def _rows(self) -> list[tuple]:
+        return [
+            (
+                e.kind,
+                short_label(e.src),
+                short_label(e.dst),
+                human_bytes(e.nbytes),
+                _gbps(e.nbytes, e.seconds),
+                _cell(e.label),
+            )
+            for e in reversed(self._recent)
+        ]
+
+    def _recent_title(self) -> str:
+        return f"{len(self._recent)} most recent (newest first)"
+
+    def text(self) -> str:
+        return f"{self._title()}\n{self._table(self._recent_title())}\n{self._matrix!r}"
+
+    def html(self) -> str:
+        return (
+            f"<div><b>{html.escape(self._title())}</b>{self._table(self._recent_title(), as_html=True)}"
+            f"{self._matrix._repr_html_()}</div>"
+        )
+
+    def _build(self, widgets: Any) -> Any:
+        self._count_label = widgets.Label()
+        self._count_label.add_class("mgkit-transfer-count")
+        self._html = widgets.HTML()
+        self._image = widgets.Image(format="png")
+        self._live_fig = figure(4.6, 3.8)
+        title = widgets.HTML("<b>mgkit transfers</b>")
+        return widgets.VBox(
+            [widgets.HBox([title, self._count_label]), widgets.HBox([self._html, self._image])]
+        )
+
+    def _draw(self, ax: Any) -> None:
+        draw_heatmap(ax, self._matrix.names, self._matrix.values, f"bytes moved ({self.count} transfers)")
+
+    def _draw_figure(self, fig: Any) -> None:
+        self._draw(fig.subplots())
+
+
+class ThroughputView(_Plotted):
+    """A live plot of samples per second and step time per context.
+
+    Fed by ``step`` events (fits report them from inside their compiled loops) and ``run``
+    events (each context's share of a parallel call: its rows over the call's time).
+
+    Args:
+      contexts: show only these contexts (default: all).
+      history: points kept per context, 2 to 100000 (older points drop out).
+      rate: refreshes per second, above 0 and at most 10 (the plot itself redraws less often
+        when drawing is slow: it takes at most ~5 % of the time).
+      ledger: the ledger to follow (default ``mg.ledger()``).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while a cell runs; False:
+        only when you call ``refresh()``.
+
+    >>> import mgkit as mg, jax.numpy as jnp
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> view = mg.ThroughputView(widget=False)
+    >>> _ = mg.parallel(lambda x: x * 2)(jnp.ones((8, 4)))
+    >>> mg.ledger().flush()
+    True
+    >>> print(view)  # doctest: +ELLIPSIS
+    mgkit throughput: 2 context(s) reporting
+    ...
+    """
+
+    kinds = COMPUTE_KINDS
+    css_class = "mgkit-throughput"
+    headers = ("context", "device", "samples/s", "mean samples/s", "step time", "points")
+
+    def __init__(
+        self,
+        contexts: Iterable[str] | None = None,
+        history: int = 300,
+        rate: float = 10.0,
+        ledger: Ledger | None = None,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, ledger, widget, live, contexts)
+        self.history = check_count(history, "history", self._where, 2, 100_000, 300)
+        self._series: dict[str, collections.deque[tuple[float, float, float]]] = {}
+        self._device: dict[str, str] = {}
+        self._t0 = time.time()
+        self._start()
+
+    def _seed(self) -> None:
+        events = [e for e in self._ledger.records() if e.kind in COMPUTE_KINDS]
+        if events:
+            self._t0 = min(self._t0, min(e.start + e.seconds for e in events))
+        self._fold(events)
+
+    @staticmethod
+    def samples_per_second(event: Event) -> float | None:
+        """The event's samples per second: a step's own figure, a run's rows over its time."""
+        info = event.info or {}
+        if event.kind == "step":
+            value = info.get("samples_per_second")
+        else:
+            rows = info.get("rows")
+            value = rows / event.seconds if isinstance(rows, int | float) and event.seconds > 0 else None
+        return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+    def _fold(self, events: list[Event]) -> bool:
+        added = False
+        for e in events:
+            if self.contexts is not None and e.src not in self.contexts:
+                continue
+            rate = self.samples_per_second(e)
+            if rate is None:
+                continue
+            points = self._series.get(e.src)
+            if points is None:
+                points = self._series[e.src] = collections.deque(maxlen=self.history)
+            points.append((e.start + e.seconds - self._t0, rate, e.seconds))
+            self._device[e.src] = e.src_device
+            added = True
+        return added
+
+    def series(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """context -> (time in s since the view started, samples per second, step seconds),
+        in the context map's order."""
+        self.refresh()
+        return self._arrays()
+
+    def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        order = {n: i for i, n in enumerate(_contexts.context_map().names)}
+        out = {}
+        for name in sorted(self._series, key=lambda n: (order.get(n, len(order)), n)):
+            arr = np.array(self._series[name], dtype=np.float64).reshape(-1, 3)
+            out[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
+        return out
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        changed = self._fold(events)
+        if changed:
+            self._version += 1
+            if self._box is not None:
+                self._html.value = self.html()
+        if self._redraw(budgeted):
+            self._redraw_label.value = f"redraws: {self.redraws}"
+            changed = True
+        return changed
+
+    def _rows(self) -> list[tuple]:
+        rows = []
+        for name, (_, rate, step) in self._arrays().items():
+            rows.append(
+                (
+                    name,
+                    self._device.get(name, ""),
+                    _rate(rate[-1]),
+                    _rate(float(rate.mean())),
+                    f"{step[-1] * 1e3:.2f} ms",
+                    len(rate),
+                )
+            )
+        return rows
+
+    def _title(self) -> str:
+        return f"mgkit throughput: {len(self._series)} context(s) reporting"
+
+    def text(self) -> str:
+        return self._table(self._title())
+
+    def html(self) -> str:
+        return self._table(self._title(), as_html=True)
+
+    def _build(self, widgets: Any) -> Any:
+        self._html = widgets.HTML()
+        self._image = widgets.Image(format="png")
+        self._live_fig = figure(7, 3.6)
+        self._redraw_label = widgets.Label("redraws: 0")
+        self._redraw_label.add_class("mgkit-redraws")
+        return widgets.VBox([self._html, self._image, self._redraw_label])
+
+    def _draw(self, ax_rate: Any, ax_step: Any) -> None:
+        series = self._arrays()
+        colors = context_colors(list(_contexts.context_map().names) + list(series))
+        draw_throughput(ax_rate, ax_step, series, colors)
+
+    def _draw_figure(self, fig: Any) -> None:
+        self._draw(*fig.subplots(2, 1, sharex=True))
+
+
+class Dashboard(LiveView):
+    """The header, device map, transfers and throughput in one live widget (text elsewhere).
+
+    Args:
+      contexts: show only these contexts (default: all).
+      max_rows: recent transfers listed, 1 to 1000.
+      history: throughput points kept per context, 2 to 100000.
+      rate: refreshes per second, above 0 and at most 10.
+      ledger: the ledger to follow (default ``mg.ledger()``).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while a cell runs; False:
+        only when you call ``refresh()``.
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> print(mg.Dashboard(widget=False))  # doctest: +ELLIPSIS
+    mgkit ... | jax ... | backend cpu | ...
+    <BLANKLINE>
+    mgkit device map: 2 context(s), current (*) dev0
+    ...
+    """
+
+    polls = True
+    css_class = "mgkit-dashboard"
+    figsize = (11.0, 9.0)
+
+    def __init__(
+        self,
+        contexts: Iterable[str] | None = None,
+        max_rows: int = 10,
+        history: int = 300,
+        rate: float = 10.0,
+        ledger: Ledger | None = None,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, ledger, widget, live, contexts)
+        mode = self._as_widget
+        self.header = Header(rate=min(rate, 1.0), widget=mode, live=False)
+        self.devices = DeviceMap(contexts, rate=min(rate, 2.0), widget=mode, live=False)
+        self.transfers = TransferView(contexts, max_rows, rate, self._ledger, mode, live=False)
+        self.throughput = ThroughputView(contexts, history, rate, self._ledger, mode, live=False)
+        self.views = (self.header, self.devices, self.transfers, self.throughput)
+        self._start()
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        return any([view._refresh(budgeted) for view in self.views])
+
+    def _tick(self, now: float) -> bool:
+        if self.closed or now < self._next:
+            return False
+        self._next = now + 1.0 / self.rate
+        changed = any([view._tick(now) for view in self.views])
+        self.updates += changed
+        return changed
+
+    def close(self) -> None:
+        for view in self.views:
+            view.close()
+        super().close()
+
+    def text(self) -> str:
+        return "\n\n".join(view.text() for view in self.views)
+
+    def html(self) -> str:
+        return "".join(view.html() for view in self.views)
+
+    def _build(self, widgets: Any) -> Any:
+        return widgets.VBox([view.widget for view in self.views])
+
+    def _draw_figure(self, fig: Any) -> None:
+        grid = fig.add_gridspec(3, 2, height_ratios=[1.3, 1, 1])
+        self.devices._draw(fig.add_subplot(grid[0, 0]))
+        self.transfers._draw(fig.add_subplot(grid[0, 1]))
+        ax_rate = fig.add_subplot(grid[1, :])
+        self.throughput._draw(ax_rate, fig.add_subplot(grid[2, :], sharex=ax_rate))
+        fig.suptitle(self.header.text(), fontsize=8, family="monospace")

@@ -1,0 +1,420 @@
+"""Live views: device map, transfers, throughput, dashboard; text and PNG outside notebooks;
+the live thread's rate limit, bounded buffers, close, missing ipywidgets, bad input."""
+
+import gc
+import logging
+import struct
+import sys
+import threading
+import time
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_python
+
+import mgkit as mg
+from mgkit import _live, _widgets
+from mgkit._ledger import Event, Ledger
+
+NAMES = [f"dev{i}" for i in range(8)]
+
+
+def _move(src, dst, nbytes, seconds=0.001, kind="transfer", label=None):
+    return Event(kind, src, dst, "cpu0", "cpu1", nbytes, time.time(), seconds, label)
+
+
+def _step(ctx, sps, seconds=0.01, iteration=1):
+    info = {"what": "fit", "iteration": iteration, "of": 10, "models": 1, "loss": 0.5, "grad": 0.1}
+    info |= {"samples_per_second": sps, "final": False}
+    return Event("step", ctx, ctx, "cpu0", "cpu0", 0, time.time(), seconds, None, info)
+
+
+def _run(ctx, rows, seconds):
+    info = {"fn": "f", "of": rows * 8, "path": "spmd", "rows": rows}
+    return Event("run", ctx, ctx, "cpu0", "cpu0", 0, time.time(), seconds, None, info)
+
+
+def _subscribers(led):
+    return len(led._subscribers)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+# -- importing ---------------------------------------------------------------------------------
+
+
+def test_import_mgkit_loads_no_widget_library_and_text_views_need_none():
+    r = run_python(
+        """
+        import sys
+        import mgkit as mg
+        assert 'ipywidgets' not in sys.modules and 'matplotlib' not in sys.modules
+        print(mg.Dashboard(widget=False))
+        assert 'ipywidgets' not in sys.modules and 'matplotlib' not in sys.modules
+        print("facts", mg.Dashboard(widget=False).header.facts()["simulated"])
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert "simulated: no" in r.stdout and "facts False" in r.stdout
+    assert "mgkit device map: 1 context(s), current (*) dev0" in r.stdout
+
+
+# -- device map --------------------------------------------------------------------------------
+
+
+def test_device_map_lists_contexts_devices_and_the_current_one():
+    view = mg.DeviceMap(widget=True, live=False)
+    assert [r[:4] for r in view.rows()] == [(n, f"cpu{i}", "cpu", "cpu") for i, n in enumerate(NAMES)]
+    assert [r[0] for r in view.rows() if r[6]] == ["dev0"]
+    html = view.widget.children[0].value
+    assert all(f">{n}<" in html or f" {n}<" in html for n in NAMES) and "n/a" in html
+    assert "mgkit-devicemap" in view.widget._dom_classes
+    before = view.updates
+    with mg.on("dev3"):
+        assert view.refresh() is True
+        assert [r[0] for r in view.rows() if r[6]] == ["dev3"]
+        assert 'class="mgkit-current"' in view.widget.children[0].value
+        assert view.refresh() is False  # nothing changed: nothing is sent
+    assert view.updates == before + 1
+    text = repr(view)
+    assert "current (*) dev0" in text and "* dev0" in text and "cpu7" in text
+    view.close()
+
+
+def test_device_map_memory_bar_where_the_device_reports_it(monkeypatch):
+    def memory(device):
+        return (1 << 30, 4 << 30) if device.id == 1 else (None, None)
+
+    monkeypatch.setattr(mg._devices, "memory", memory)
+    view = mg.DeviceMap(contexts=["dev0", "dev1"], widget=True, live=False)
+    assert [(r[4], r[5]) for r in view.rows()] == [(None, None), (1 << 30, 4 << 30)]
+    assert "width:25.0%" in view.widget.children[0].value
+    assert "1.0 GiB / 4.0 GiB (25%)" in repr(view) and "n/a" in repr(view)
+    view.close()
+
+
+def test_live_thread_shows_the_main_threads_context():
+    mg.DeviceMap(widget=False)  # a view made on the main thread follows its `mg.on` scopes
+    seen = []
+    with mg.on("dev5"):
+        t = threading.Thread(target=lambda: seen.append(_widgets.shown_current()))
+        t.start()
+        t.join()
+    assert seen == ["dev5"]
+
+
+# -- transfers ---------------------------------------------------------------------------------
+
+
+def test_transfer_view_rows_totals_and_heatmap_from_real_transfers():
+    view = mg.TransferView(max_rows=3, widget=True, live=False)
+    x = mg.put(np.ones(256, np.float32), "dev0")  # 1 KiB host -> dev0
+    for dst in ("dev1", "dev2", "dev3"):
+        x = mg.transfer(x, dst)
+    mg.ledger().flush()
+    assert view.pending == 4
+    assert view.refresh() is True and view.pending == 0 and view.refresh() is False
+    assert view.count == 4 and view.nbytes == 4096
+    m = view.matrix()
+    assert m.names == [*NAMES, "host"]
+    assert m["host", "dev0"] == m["dev0", "dev1"] == m["dev1", "dev2"] == m["dev2", "dev3"] == 1024
+    assert int(m.values.sum()) == 4096
+    assert [(e.src, e.dst) for e in view.recent()] == [("dev2", "dev3"), ("dev1", "dev2"), ("dev0", "dev1")]
+    box = view.widget
+    assert "mgkit-transfers" in box._dom_classes
+    label = box.children[0].children[1]
+    assert label.value == "transfers: 4" and "mgkit-transfer-count" in label._dom_classes
+    assert _png_size(box.children[1].children[1].value)[0] > 100
+    assert view.redraws == 2  # the empty picture, then the data
+    text = repr(view)
+    assert text.startswith("mgkit transfers: 4 (4.0 KiB moved") and "bytes moved" in text
+    view.close()
+
+
+def test_transfer_view_filter_gbps_labels_and_ledger_clear():
+    led = Ledger()
+    led.record(_move("dev0", "dev1", 2_000_000_000, seconds=1.0, label=7))
+    led.record(_move("dev2", "dev3", 10))
+    led.record(_step("dev0", 100.0))  # work, not a transfer
+    view = mg.TransferView(contexts=["dev1"], ledger=led, widget=False)
+    assert view.count == 1 and view.nbytes == 2_000_000_000
+    assert [(e.src, e.dst) for e in view.recent()] == [("dev0", "dev1")]
+    assert view.matrix().names == ["dev1", "dev0"]
+    text = repr(view)
+    assert "In [7]" in text and "2.00" in text and "dev2" not in text
+    led.clear()
+    view.refresh()
+    assert view.count == 0 and view.recent() == [] and not view.matrix().values.any()
+
+
+# -- throughput --------------------------------------------------------------------------------
+
+
+def test_throughput_view_series_per_context_from_steps_and_runs():
+    led = Ledger()
+    view = mg.ThroughputView(history=3, ledger=led, widget=True, live=False)
+    for sps in (100.0, 200.0, 300.0, 400.0):
+        led.record(_step("dev0", sps, seconds=0.02))
+    led.record(_run("dev1", rows=50, seconds=0.5))
+    led.record(_run("dev1", rows=50, seconds=0.0))  # no time: no rate
+    led.record(_move("dev0", "dev1", 8))  # a transfer: not followed here
+    assert view.pending == 6
+    assert view.refresh() is True
+    series = view.series()
+    assert list(series) == ["dev0", "dev1"]
+    t, rate, step = series["dev0"]
+    assert rate.tolist() == [200.0, 300.0, 400.0] and step.tolist() == [0.02] * 3  # history=3
+    assert np.all(np.diff(t) >= 0)
+    assert series["dev1"][1].tolist() == [100.0]
+    box = view.widget
+    assert "mgkit-throughput" in box._dom_classes
+    redraws = box.children[2]
+    assert redraws.value == "redraws: 2" and "mgkit-redraws" in redraws._dom_classes
+    assert _png_size(box.children[1].value)[0] > 100
+    led.record(_step("dev0", 500.0))
+    view.refresh()
+    assert view.redraws == 3 and redraws.value == "redraws: 3"
+    assert view.refresh() is False and view.redraws == 3  # no new data: no redraw
+    assert "dev0" in box.children[0].value and "400" in box.children[0].value
+    view.close()
+
+
+def test_throughput_view_follows_parallel_calls_on_eight_contexts():
+    view = mg.ThroughputView(widget=False)
+    f = mg.parallel(lambda a: a * 2)
+    for _ in range(2):
+        f(jnp.ones((64, 4)))
+    mg.ledger().flush()
+    series = view.series()
+    assert list(series) == NAMES and all(len(s[1]) == 2 and (s[1] > 0).all() for s in series.values())
+    assert "8 context(s) reporting" in repr(view)
+
+
+# -- dashboard, text, pictures -----------------------------------------------------------------
+
+
+def test_dashboard_combines_the_views_and_names_every_context():
+    dash = mg.Dashboard(widget=True, live=False)
+    box = dash.widget
+    assert "mgkit-dashboard" in box._dom_classes
+    assert [c._dom_classes[-1] for c in box.children] == [
+        "mgkit-header",
+        "mgkit-devicemap",
+        "mgkit-transfers",
+        "mgkit-throughput",
+    ]
+    header = box.children[0].children[0].value
+    assert f"jax {jax.__version__}" in header and "backend cpu" in header
+    assert "simulated: yes (8 simulated CPU devices)" in header
+    assert dash.header.facts()["simulated"] is True
+    assert all(n in box.children[1].children[0].value for n in NAMES)
+    bundle = dash._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert all(n in bundle["text/plain"] for n in NAMES)
+    dash.close()
+    assert all(v.closed for v in dash.views)
+
+
+def test_views_are_text_outside_a_notebook():
+    for view in (mg.DeviceMap(), mg.TransferView(), mg.ThroughputView(), mg.Dashboard()):
+        assert view.widget is None
+        bundle = view._repr_mimebundle_()
+        assert set(bundle) == {"text/plain", "text/html"}
+        assert bundle["text/plain"] == repr(view) and "<table" in bundle["text/html"]
+    assert "mgkit throughput: 0 context(s) reporting" in repr(mg.ThroughputView())
+
+
+@pytest.mark.parametrize("make", [mg.DeviceMap, mg.TransferView, mg.ThroughputView, mg.Dashboard])
+def test_save_png_writes_a_picture_without_a_notebook(make, tmp_path):
+    led = Ledger()
+    led.record(_move("dev0", "dev1", 4096))
+    led.record(_step("dev0", 1000.0))
+    view = make(widget=False) if make is mg.DeviceMap else make(ledger=led, widget=False)
+    path = view.save_png(tmp_path / "view.png", dpi=50)
+    width, height = _png_size((tmp_path / "view.png").read_bytes())
+    assert path == str(tmp_path / "view.png") and width > 100 and height > 50
+
+
+# -- live updates ------------------------------------------------------------------------------
+
+
+def _wait_for(condition, timeout=20.0):
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_live_thread_updates_a_view_while_the_main_thread_records():
+    led = Ledger()
+    view = mg.TransferView(ledger=led, widget=True)
+    label = view.widget.children[0].children[1]
+    for i in range(200):
+        led.record(_move("dev0", "dev1", 8))
+        if i % 50 == 0:
+            time.sleep(0.05)
+    assert _wait_for(lambda: label.value == "transfers: 200")
+    assert view.updates >= 1 and view.pending == 0
+    view.close()
+
+
+def test_load_is_rate_limited_and_buffers_stay_bounded():
+    led = Ledger(capacity=1000)
+    start = time.monotonic()
+    dash = mg.Dashboard(ledger=led, rate=10, widget=True)
+    text_view = mg.TransferView(ledger=led, widget=False)  # never refreshed: its buffer fills
+    for i in range(20_000):
+        led.record(_move(NAMES[i % 8], NAMES[(i + 1) % 8], 100) if i % 2 else _step(NAMES[i % 8], float(i)))
+        assert dash.transfers.pending <= _live.BUFFER
+    dash.close()
+    elapsed = time.monotonic() - start
+    assert text_view.pending == _live.BUFFER and len(led) == 1000
+    for view in (dash, *dash.views):
+        assert view.updates <= 10 * elapsed + 1, (type(view).__name__, view.updates, elapsed)
+    assert dash.transfers.refresh() is False  # closed
+    text_view.refresh()
+    assert text_view.count == 10_000 and text_view.nbytes == 1_000_000  # totals are exact
+    assert all(len(s[1]) <= 300 for s in dash.throughput.series().values())
+
+
+def test_close_stops_updates_and_unsubscribes():
+    led = Ledger()
+    view = mg.TransferView(ledger=led, widget=True)
+    assert _subscribers(led) == 1 and view in _live.REFRESHER._views
+    led.record(_move("dev0", "dev1", 8))
+    view.refresh()
+    updates = view.updates
+    view.close()
+    assert _subscribers(led) == 0 and view not in _live.REFRESHER._views
+    led.record(_move("dev0", "dev1", 8))
+    assert view.refresh() is False and view.updates == updates and view.count == 1
+    with mg.ThroughputView(ledger=led, widget=False) as other:
+        assert _subscribers(led) == 1
+    assert other.closed and _subscribers(led) == 0
+
+
+def test_a_forgotten_view_is_collected_and_stops_following_the_ledger():
+    led = Ledger()
+    view = mg.Dashboard(ledger=led, widget=True)
+    ref = weakref.ref(view)
+    assert _subscribers(led) == 2 and view in _live.REFRESHER._views
+    del view
+    gc.collect()
+    assert ref() is None and _subscribers(led) == 0
+    assert _wait_for(lambda: not _live.REFRESHER.running)  # no views left: the thread ends
+
+
+def test_a_view_that_fails_to_refresh_is_logged_once_and_others_go_on(caplog, monkeypatch):
+    led = Ledger()
+    bad = mg.TransferView(ledger=led, widget=False)
+    good = mg.TransferView(ledger=led, widget=False)
+    monkeypatch.setattr(bad, "_update", lambda events, budgeted: 1 / 0)
+    refresher = _live.Refresher()
+    refresher._views.update((bad, good))  # ticked here, by hand: no thread
+    with caplog.at_level(logging.ERROR, logger="mgkit"):
+        for i in range(3):
+            led.record(_move("dev0", "dev1", 8))
+            assert refresher.tick(now=1000.0 + i) == 1
+    assert bad.errors == 3 and good.count == 3
+    assert [r.message for r in caplog.records] == [
+        "mgkit: refreshing TransferView failed; it keeps its last values"
+    ]
+
+
+def test_a_raising_subscriber_is_logged_and_the_views_keep_working(caplog):
+    led = Ledger()
+
+    def broken(event):
+        raise RuntimeError("subscriber bug")
+
+    led.subscribe(broken)
+    dash = mg.Dashboard(ledger=led, widget=False)
+    with caplog.at_level(logging.ERROR, logger="mgkit"):
+        led.record(_move("dev0", "dev1", 8))
+        led.record(_step("dev1", 50.0))
+    assert "subscriber" in caplog.text and "keeps recording" in caplog.text
+    dash.refresh()
+    assert dash.transfers.count == 1 and list(dash.throughput.series()) == ["dev1"] and len(led) == 2
+    dash.close()
+
+
+# -- missing libraries -------------------------------------------------------------------------
+
+
+def test_missing_ipywidgets_is_an_actionable_error_only_for_widgets(monkeypatch):
+    led = Ledger()
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    with pytest.raises(ImportError, match=r"pip install 'ipywidgets>=8\.1'.*widget=False"):
+        mg.Dashboard(ledger=led, widget=True)
+    assert _subscribers(led) == 0  # nothing left behind
+    assert "mgkit transfers: 0" in repr(mg.TransferView(ledger=led, widget=False))
+    monkeypatch.setattr(_widgets, "in_kernel", lambda: True)  # in a notebook, a widget is wanted
+    with pytest.raises(ImportError, match=r"mg\.DeviceMap\(\) is shown as an ipywidgets widget"):
+        mg.DeviceMap()
+
+
+def test_missing_matplotlib_is_an_actionable_error_only_for_pictures(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'matplotlib>=3\.8'"):
+        mg.ThroughputView(widget=True)
+    view = mg.DeviceMap(widget=True)  # an HTML table: no matplotlib needed
+    assert "dev7" in view.widget.children[0].value
+    with pytest.raises(ImportError, match=r"mg\.DeviceMap\(\)\.save_png draws its plots with matplotlib"):
+        view.save_png(tmp_path / "x.png")
+    view.close()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (
+            lambda: mg.DeviceMap(contexts=["dev0", "nope"]),
+            mg.ContextError,
+            r"unknown context\(s\) 'nope'.*dev0, dev1",
+        ),
+        (lambda: mg.TransferView(contexts=5), TypeError, r"contexts must be a list of context names.*int 5"),
+        (lambda: mg.ThroughputView(contexts=[]), ValueError, r"contexts is empty; pass None"),
+        (lambda: mg.Dashboard(contexts=["dev0", 3]), TypeError, r"context names are strings, got int 3"),
+        (lambda: mg.TransferView(max_rows=0), ValueError, r"max_rows=0 is out of range.*1 to 1000"),
+        (lambda: mg.TransferView(max_rows=2.5), TypeError, r"max_rows must be a whole number.*float 2\.5"),
+        (lambda: mg.Dashboard(max_rows=True), TypeError, r"max_rows must be a whole number.*bool True"),
+        (lambda: mg.ThroughputView(history=1), ValueError, r"history=1 is out of range.*2 to 100000"),
+        (lambda: mg.TransferView(rate=0), ValueError, r"rate=0 refreshes per second is out of range"),
+        (lambda: mg.ThroughputView(rate=50), ValueError, r"rate=50 .* at most 10"),
+        (lambda: mg.DeviceMap(rate=float("nan")), ValueError, r"rate=nan"),
+        (lambda: mg.Dashboard(rate="fast"), TypeError, r"rate is refreshes per second.*'fast'"),
+        (lambda: mg.TransferView(ledger="ledger"), TypeError, r"ledger must be an mg\.Ledger.*str 'ledger'"),
+        (lambda: mg.DeviceMap(widget="yes"), TypeError, r"widget must be True.*'yes'"),
+        (lambda: mg.ThroughputView(live=1), TypeError, r"live must be True .* or False .*got 1"),
+    ],
+)
+def test_bad_arguments_are_named_with_the_fix(make, error, match):
+    subscribers = _subscribers(mg.ledger())
+    with pytest.raises(error, match=match):
+        make()
+    assert _subscribers(mg.ledger()) == subscribers
+
+
+@pytest.mark.parametrize(
+    ("path", "dpi", "error", "match"),
+    [
+        (42, 100, TypeError, r"path must be a str or os\.PathLike, got int 42"),
+        ("picture.jpg", 100, ValueError, r"writes PNG pictures; give a file name ending in \.png"),
+        ("missing/folder/view.png", 100, FileNotFoundError, r"the folder .*missing/folder' does not exist"),
+        ("view.png", 5, ValueError, r"dpi=5 is out of range"),
+    ],
+)
+def test_bad_save_png_arguments(path, dpi, error, match, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(error, match=match):
+        mg.TransferView(widget=False).save_png(path, dpi=dpi)
+    assert list(tmp_path.iterdir()) == []
