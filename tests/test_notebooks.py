@@ -12,6 +12,29 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 
 # Text a notebook's outputs must contain once executed, by file name.
 EXPECTED_OUTPUT = {
+    "00_tour.ipynb": [
+        "Mapped name dev7 to device",
+        "context name 'dev0' appears more than once",
+        "mgkit device map: 8 context(s)",
+        "inside:  dev1 - z lives on dev1",
+        "exact: True",
+        "argument y of add (float32[1024,1024]) is on dev1",
+        "a + b over 8 contexts: shape (1001, 100), exact: True",
+        "split then concat, exact: True",
+        "tanh(x @ w) over 8 contexts, equal to one device's result: True",
+        "psum over 8 contexts: 28.0",
+        "converged: True",
+        "w lives on dev0+dev1+dev2+dev3+dev4+dev5+dev6+dev7",
+        "logreg.fit (gd)",
+        "gd: 3000 steps",
+        "dev2: w on dev2",
+        "ones lives on dev1 - the current context is dev1",
+        "device->device 4.0 MiB",
+        "mgkit ledger:",
+        "bytes moved (row: from, column: to)",
+        "mgkit throughput: 8 context(s) reporting",
+        "mgkit transfers:",
+    ],
     "01_contexts_and_transfers.ipynb": ["Mapped name dev0 to device cpu0"],
     "02_split_concat.ipynb": [
         "Mapped name d7 to device cpu7",
