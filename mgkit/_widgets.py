@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import collections
 import html
-import io
 import math
 import os
 import threading
@@ -22,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _contexts, _devices
+from . import _contexts, _devices, _svg
 from ._errors import ContextError
 from ._ledger import Event, Ledger, Matrix, short_label
 from ._live import DRAW_SHARE, REFRESHER, Feed, check_count, check_ledger, check_rate, in_kernel
@@ -46,25 +45,25 @@ def require_ipywidgets(where: str) -> Any:
 
 
 def require_matplotlib(where: str) -> None:
-    """Checks that matplotlib imports, else raises an ImportError saying how to install it."""
+    """Checks that matplotlib imports (for save_png), else raises an ImportError saying how to
+    install it."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            f"{where} draws its plots with matplotlib, which is not installed. Install it with "
+            f"{where} draws its pictures with matplotlib, which is not installed. Install it with "
             "`pip install 'matplotlib>=3.8'`; the text view (print(view)) works without it."
         ) from e
 
 
 # -- pictures --------------------------------------------------------------------------------
 
-LIVE_DPI = 72
 _ANNOTATE_UP_TO = 12  # write the bytes into heatmap cells when there are at most this many names
 _CURRENT = "#f5a623"
 _BAR = "#4c78a8"
 
 
-def figure(width: float, height: float, dpi: int = LIVE_DPI) -> Any:
+def figure(width: float, height: float, dpi: int = 100) -> Any:
     """A matplotlib Figure with an Agg canvas (no pyplot)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -74,20 +73,8 @@ def figure(width: float, height: float, dpi: int = LIVE_DPI) -> Any:
     return fig
 
 
-def png_bytes(fig: Any, dpi: int = LIVE_DPI) -> bytes:
-    """Renders a figure to PNG (fast compression: these pictures are redrawn often)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})
-    return buf.getvalue()
-
-
 def write_png(fig: Any, path: str, dpi: int) -> None:
     fig.savefig(path, format="png", dpi=dpi)
-
-
-def context_colors(names: Sequence[str]) -> dict[str, str]:
-    """One stable colour per context name, in the order given."""
-    return {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(names))}
 
 
 def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]]) -> None:
@@ -183,7 +170,6 @@ class LiveView(abc.ABC):
     kinds: ClassVar[frozenset[str] | None] = None  # event kinds the view follows; None: no feed
     exclude: ClassVar[bool] = False  # True: every kind except ``kinds``
     polls: ClassVar[bool] = False  # True: refresh on every tick, events or not
-    draws: ClassVar[bool] = False  # True: the widget shows a matplotlib picture
     css_class: ClassVar[str] = ""
     headers: ClassVar[tuple[str, ...]] = ()  # the columns of the view's table
     figsize: ClassVar[tuple[float, float]] = (7.0, 4.5)  # inches, for save_png
@@ -217,8 +203,6 @@ class LiveView(abc.ABC):
 
     def _start(self) -> None:
         widgets = require_ipywidgets(self._where) if self._as_widget else None
-        if self._as_widget and self.draws:
-            require_matplotlib(self._where)
         self._seed()
         if self.kinds is not None:
             self._feed = Feed(self._ledger, self.kinds, self.exclude)
@@ -271,7 +255,7 @@ class LiveView(abc.ABC):
 
     def _figure(self) -> Any:
         """A new figure of the view, for save_png."""
-        fig = figure(*self._figsize(), dpi=100)
+        fig = figure(*self._figsize())
         self._draw_figure(fig)
         return fig
 
@@ -446,21 +430,22 @@ def _rate(value: float) -> str:
 
 
 class _Plotted(LiveView):
-    """A view with a live matplotlib picture: redrawn when its data changed, within a budget."""
-
-    draws = True
+    """A view with a live SVG picture: redrawn when its data changed, within a time budget."""
 
     def __init__(self, rate: float, ledger: Ledger | None, widget: bool | None, live: bool, contexts: Any):
         super().__init__(rate, ledger, widget, live, contexts)
-        self._image: Any = None
-        self._live_fig: Any = None
+        self._plot: Any = None  # the HTML widget that shows the picture
         self._version = 0  # bumped when the data behind the picture changes
         self._drawn = -1
         self._draw_next = 0.0
         self.redraws = 0
 
     def _stale(self) -> bool:
-        return self._image is not None and self._drawn != self._version
+        return self._plot is not None and self._drawn != self._version
+
+    @abc.abstractmethod
+    def svg(self) -> str:
+        """The view's live picture, as SVG."""
 
     def _redraw(self, budgeted: bool) -> bool:
         """Redraws the picture if its data changed; from the live thread only when the budget
@@ -472,9 +457,7 @@ class _Plotted(LiveView):
             return False
         t0 = time.perf_counter()
         version = self._version
-        self._live_fig.clear()
-        self._draw_figure(self._live_fig)
-        self._image.value = png_bytes(self._live_fig)
+        self._plot.value = self.svg()
         cost = time.perf_counter() - t0
         self._draw_next = now + max(1.0 / self.rate, cost / DRAW_SHARE)
         self._drawn = version
@@ -818,12 +801,16 @@ class TransferView(_Plotted):
         self._count_label = widgets.Label()
         self._count_label.add_class("mgkit-transfer-count")
         self._html = widgets.HTML()
-        self._image = widgets.Image(format="png")
-        self._live_fig = figure(4.6, 3.8)
+        self._plot = widgets.HTML()
         title = widgets.HTML("<b>mgkit transfers</b>")
         return widgets.VBox(
-            [widgets.HBox([title, self._count_label]), widgets.HBox([self._html, self._image])]
+            [widgets.HBox([title, self._count_label]), widgets.HBox([self._html, self._plot])]
         )
+
+    def svg(self) -> str:
+        m = self._matrix
+        title = f"bytes moved ({self.count} transfers)"
+        return _svg.heatmap(m.names, m.values, title, lambda v: human_bytes(int(v)), short_label)
 
     def _draw(self, ax: Any) -> None:
         draw_heatmap(ax, self._matrix.names, self._matrix.values, f"bytes moved ({self.count} transfers)")
@@ -964,16 +951,25 @@ class ThroughputView(_Plotted):
 
     def _build(self, widgets: Any) -> Any:
         self._html = widgets.HTML()
-        self._image = widgets.Image(format="png")
-        self._live_fig = figure(7, 3.6)
+        self._plot = widgets.HTML()
         self._redraw_label = widgets.Label("redraws: 0")
         self._redraw_label.add_class("mgkit-redraws")
-        return widgets.VBox([self._html, self._image, self._redraw_label])
+        return widgets.VBox([self._html, self._plot, self._redraw_label])
+
+    def _palette(self, names: Iterable[str]) -> dict[str, str]:
+        return _svg.colors([*_contexts.context_map().names, *names])
+
+    def svg(self) -> str:
+        series = self._arrays()
+        panels = [
+            ("samples/s", {n: (t, rate) for n, (t, rate, _) in series.items()}),
+            ("step (ms)", {n: (t, step * 1e3) for n, (t, _, step) in series.items()}),
+        ]
+        return _svg.lines(panels, self._palette(series), "throughput per context", "time (s)")
 
     def _draw(self, ax_rate: Any, ax_step: Any) -> None:
         series = self._arrays()
-        colors = context_colors(list(_contexts.context_map().names) + list(series))
-        draw_throughput(ax_rate, ax_step, series, colors)
+        draw_throughput(ax_rate, ax_step, series, self._palette(series))
 
     def _draw_figure(self, fig: Any) -> None:
         self._draw(*fig.subplots(2, 1, sharex=True))

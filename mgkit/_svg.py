@@ -1,0 +1,174 @@
+"""Small SVG drawings for the live views: line panels and a heatmap.
+
+A live view redraws many times while a cell runs, on a thread that shares the interpreter with
+the compute loop, so a picture must cost about a millisecond: these are plain SVG text, which
+every notebook frontend shows inside an HTML widget. Pictures saved to files use matplotlib.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+"""matplotlib's default colour cycle, so live views and saved pictures agree."""
+
+_VIRIDIS = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
+_FONT = 'font-family="sans-serif" font-size="10"'
+MAX_POINTS = 200  # points per line drawn; longer series are thinned evenly
+
+
+def colors(names: Sequence[str]) -> dict[str, str]:
+    """One stable colour per name, in the order given."""
+    return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(dict.fromkeys(names))}
+
+
+def ramp(x: float) -> str:
+    """A viridis colour for ``x`` in [0, 1]."""
+    x = min(max(x, 0.0), 1.0) * (len(_VIRIDIS) - 1)
+    i = min(int(x), len(_VIRIDIS) - 2)
+    f = x - i
+    rgb = (round(a + (b - a) * f) for a, b in zip(_VIRIDIS[i], _VIRIDIS[i + 1], strict=True))
+    return "#{:02x}{:02x}{:02x}".format(*rgb)
+
+
+def compact(v: float) -> str:
+    """A short label for an axis tick: 950, 1.2k, 3.4M, 0.012."""
+    a = abs(v)
+    for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= limit:
+            return f"{v / limit:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def _text(x: float, y: float, s: str, anchor: str = "start", extra: str = "") -> str:
+    return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" {_FONT}{extra}>{html.escape(s)}</text>'
+
+
+def _thin(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if len(x) <= MAX_POINTS:
+        return x, y
+    keep = np.unique(np.linspace(0, len(x) - 1, MAX_POINTS).astype(int))
+    return x[keep], y[keep]
+
+
+def lines(
+    panels: Sequence[tuple[str, Mapping[str, tuple[np.ndarray, np.ndarray]]]],
+    palette: Mapping[str, str],
+    title: str,
+    x_label: str,
+    width: int = 640,
+    panel_height: int = 100,
+) -> str:
+    """Panels stacked over one shared x axis, one line per name in each.
+
+    Args:
+      panels: (y label, {name: (x, y)}) from top to bottom.
+      palette: name -> colour.
+      title, x_label: text above the panels and below the x axis.
+    """
+    left, right, top, gap, bottom = 56, 10, 34, 14, 30
+    height = top + len(panels) * panel_height + (len(panels) - 1) * gap + bottom
+    plot_w = width - left - right
+    xs = [x for _, series in panels for x, _ in series.values() if len(x)]
+    x0 = min(float(x.min()) for x in xs) if xs else 0.0
+    x1 = max(float(x.max()) for x in xs) if xs else 1.0
+    if x1 <= x0:
+        x0, x1 = x0 - 0.5, x0 + 0.5
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}">',
+        _text(left, 12, title, extra=' font-weight="bold"'),
+    ]
+    lx = left
+    for name in dict.fromkeys(n for _, series in panels for n in series):
+        label = _text(lx + 12, 26, name)
+        out.append(f'<rect x="{lx}" y="19" width="9" height="9" fill="{palette.get(name, "#333")}"/>{label}')
+        lx += 22 + 6 * len(name)
+    for p, (y_label, series) in enumerate(panels):
+        y_top = top + p * (panel_height + gap)
+        ys = [float(np.nanmax(y)) for _, y in series.values() if len(y) and np.isfinite(y).any()]
+        y_max = max(ys) * 1.05 if ys and max(ys) > 0 else 1.0
+        frame = f'x="{left}" y="{y_top}" width="{plot_w}" height="{panel_height}"'
+        out.append(f'<rect {frame} fill="none" stroke="#bbb"/>')
+        for k in range(3):
+            v = y_max * k / 2
+            y = y_top + panel_height - panel_height * k / 2
+            out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
+            out.append(_text(left - 4, y + 3, compact(v), "end"))
+        mid = y_top + panel_height / 2
+        out.append(_text(12, mid, y_label, "middle", f' transform="rotate(-90 12 {mid:.1f})"'))
+        for name, (x, y) in series.items():
+            if not len(x):
+                continue
+            x, y = _thin(np.asarray(x, float), np.nan_to_num(np.asarray(y, float)))
+            px = left + (x - x0) / (x1 - x0) * plot_w
+            py = y_top + panel_height - np.clip(y / y_max, 0.0, 1.0) * panel_height
+            points = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px.tolist(), py.tolist(), strict=True))
+            color = palette.get(name, "#333")
+            out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+    y_axis = top + len(panels) * panel_height + (len(panels) - 1) * gap
+    out.append(_text(left, y_axis + 12, compact(x0)))
+    out.append(_text(left + plot_w, y_axis + 12, compact(x1), "end"))
+    out.append(_text(left + plot_w / 2, y_axis + 24, x_label, "middle"))
+    if not xs:
+        out.append(_text(left + plot_w / 2, top + panel_height / 2, "nothing yet", "middle"))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def heatmap(
+    names: Sequence[str],
+    values: np.ndarray,
+    title: str,
+    label: Callable[[float], str],
+    row_name: Callable[[str], str] = str,
+) -> str:
+    """A square grid: ``values[i, j]`` from ``names[i]`` (row) to ``names[j]`` (column), on a log
+    colour scale; each cell's exact value is its tooltip."""
+    n = len(names)
+    cell = max(12, min(32, 320 // max(n, 1)))
+    left, top = 70, 24
+    size = n * cell
+    width, height = left + max(size, 120) + 10, top + size + 64
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}">',
+        _text(0, 12, title, extra=' font-weight="bold"'),
+    ]
+    nonzero = values[values > 0]
+    lo, hi = (math.log10(float(nonzero.min())), math.log10(float(nonzero.max()))) if nonzero.size else (0, 0)
+    out.append(f'<rect x="{left}" y="{top}" width="{size}" height="{size}" fill="#f4f4f4" stroke="#bbb"/>')
+    for (i, j), v in np.ndenumerate(values):
+        if v <= 0:
+            continue
+        shade = ramp((math.log10(float(v)) - lo) / (hi - lo)) if hi > lo else ramp(1.0)
+        tip = html.escape(f"{names[i]} -> {names[j]}: {label(v)}")
+        out.append(
+            f'<rect x="{left + j * cell}" y="{top + i * cell}" width="{cell}" height="{cell}" '
+            f'fill="{shade}"><title>{tip}</title></rect>'
+        )
+    for k, name in enumerate(names):
+        short = row_name(name)
+        out.append(_text(left - 4, top + k * cell + cell / 2 + 3, short, "end"))
+        x, y = left + k * cell + cell / 2, top + size + 6
+        out.append(_text(x, y, short, "end", f' transform="rotate(-60 {x:.1f} {y:.1f})"'))
+    out.append(_text(left - 4, top - 4, "from \\ to", "end"))
+    if not n or not nonzero.size:
+        out.append(_text(left + max(size, 120) / 2, top + size / 2 + 4, "nothing moved yet", "middle"))
+    out.append("</svg>")
+    return "".join(out)
