@@ -8,7 +8,7 @@ refreshing and is collected. Widgets are displayed from the main thread only; th
 just sets values, which ipywidgets sends to the browser even while a cell runs.
 
 Plots get a time budget on top of the rate: a redraw that took ``c`` seconds is followed by
-none for ``c / DRAW_SHARE`` seconds, so drawing takes at most ~5 % of the wall time.
+none for ``c / DRAW_SHARE`` seconds, so each picture takes at most ~2 % of the wall time.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ log = logging.getLogger("mgkit")
 
 MAX_RATE = 10.0  # refreshes per second, at most
 BUFFER = 10_000  # events a view holds between two refreshes, at most
-DRAW_SHARE = 0.05  # share of the wall time plots may take to draw
+DRAW_SHARE = 0.02  # share of the wall time pictures may take to draw
 TICK = 0.05  # seconds between the refresh thread's looks at its views
 
 

@@ -757,7 +757,11 @@ class TransferView(_Plotted):
             if old.names != self._matrix.names or not np.array_equal(old.values, self._matrix.values):
                 self._version += 1
             changed = True
-        kept = [e for e in events if self._keep(e.src, e.dst)]
+        kept = (
+            events[-self.max_rows :]
+            if self.contexts is None
+            else [e for e in events if self._keep(e.src, e.dst)]
+        )
         if kept:
             self._recent.extend(kept)
             changed = True
@@ -819,6 +823,32 @@ class TransferView(_Plotted):
         self._draw(fig.subplots())
 
 
+def samples_per_second(event: Event) -> float | None:
+    """A step or run event's samples per second: a step's own figure, a run's rows over its
+    time; None when the event does not say."""
+    try:
+        info = event.info
+        rate = float(info["samples_per_second"] if event.kind == "step" else info["rows"] / event.seconds)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return rate if 0.0 <= rate < math.inf else None
+
+
+class _Series:
+    """One context's recent points: completion time, samples per second, step seconds."""
+
+    __slots__ = ("device", "rate", "step", "t")
+
+    def __init__(self, history: int, device: str):
+        self.device = device
+        self.t: collections.deque[float] = collections.deque(maxlen=history)
+        self.rate: collections.deque[float] = collections.deque(maxlen=history)
+        self.step: collections.deque[float] = collections.deque(maxlen=history)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(np.fromiter(d, np.float64, len(d)) for d in (self.t, self.rate, self.step))
+
+
 class ThroughputView(_Plotted):
     """A live plot of samples per second and step time per context.
 
@@ -829,7 +859,7 @@ class ThroughputView(_Plotted):
       contexts: show only these contexts (default: all).
       history: points kept per context, 2 to 100000 (older points drop out).
       rate: refreshes per second, above 0 and at most 10 (the plot itself redraws less often
-        when drawing is slow: it takes at most ~5 % of the time).
+        when drawing is slow: it takes at most ~2 % of the time).
       ledger: the ledger to follow (default ``mg.ledger()``).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.
@@ -862,8 +892,7 @@ class ThroughputView(_Plotted):
     ):
         super().__init__(rate, ledger, widget, live, contexts)
         self.history = check_count(history, "history", self._where, 2, 100_000, 300)
-        self._series: dict[str, collections.deque[tuple[float, float, float]]] = {}
-        self._device: dict[str, str] = {}
+        self._series: dict[str, _Series] = {}
         self._t0 = time.time()
         self._start()
 
@@ -873,30 +902,21 @@ class ThroughputView(_Plotted):
             self._t0 = min(self._t0, min(e.start + e.seconds for e in events))
         self._fold(events)
 
-    @staticmethod
-    def samples_per_second(event: Event) -> float | None:
-        """The event's samples per second: a step's own figure, a run's rows over its time."""
-        info = event.info or {}
-        if event.kind == "step":
-            value = info.get("samples_per_second")
-        else:
-            rows = info.get("rows")
-            value = rows / event.seconds if isinstance(rows, int | float) and event.seconds > 0 else None
-        return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
-
     def _fold(self, events: list[Event]) -> bool:
         added = False
+        contexts, series, t0 = self.contexts, self._series, self._t0
         for e in events:
-            if self.contexts is not None and e.src not in self.contexts:
+            if contexts is not None and e.src not in contexts:
                 continue
-            rate = self.samples_per_second(e)
+            rate = samples_per_second(e)
             if rate is None:
                 continue
-            points = self._series.get(e.src)
+            points = series.get(e.src)
             if points is None:
-                points = self._series[e.src] = collections.deque(maxlen=self.history)
-            points.append((e.start + e.seconds - self._t0, rate, e.seconds))
-            self._device[e.src] = e.src_device
+                points = series[e.src] = _Series(self.history, e.src_device)
+            points.t.append(e.start + e.seconds - t0)
+            points.rate.append(rate)
+            points.step.append(e.seconds)
             added = True
         return added
 
@@ -906,13 +926,12 @@ class ThroughputView(_Plotted):
         self.refresh()
         return self._arrays()
 
-    def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def _ordered(self) -> list[tuple[str, _Series]]:
         order = {n: i for i, n in enumerate(_contexts.context_map().names)}
-        out = {}
-        for name in sorted(self._series, key=lambda n: (order.get(n, len(order)), n)):
-            arr = np.array(self._series[name], dtype=np.float64).reshape(-1, 3)
-            out[name] = (arr[:, 0], arr[:, 1], arr[:, 2])
-        return out
+        return sorted(self._series.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+
+    def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return {name: points.arrays() for name, points in self._ordered()}
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
         changed = self._fold(events)
@@ -926,19 +945,17 @@ class ThroughputView(_Plotted):
         return changed
 
     def _rows(self) -> list[tuple]:
-        rows = []
-        for name, (_, rate, step) in self._arrays().items():
-            rows.append(
-                (
-                    name,
-                    self._device.get(name, ""),
-                    _rate(rate[-1]),
-                    _rate(float(rate.mean())),
-                    f"{step[-1] * 1e3:.2f} ms",
-                    len(rate),
-                )
+        return [
+            (
+                name,
+                p.device,
+                _rate(p.rate[-1]),
+                _rate(sum(p.rate) / len(p.rate)),
+                f"{p.step[-1] * 1e3:.2f} ms",
+                len(p.rate),
             )
-        return rows
+            for name, p in self._ordered()
+        ]
 
     def _title(self) -> str:
         return f"mgkit throughput: {len(self._series)} context(s) reporting"

@@ -1,0 +1,276 @@
+"""What a live dashboard costs the work it watches, and how it holds up under a stream of events.
+
+Usage::
+
+    python benchmarks/bench_dashboard.py [--simulate 8] [--pairs 6] [--block 2]
+                                         [--load-seconds 30] [--load-rate 1000]
+
+Part 1 (speed). A compute loop that records events the way user code does: each iteration
+moves a 256 KiB array to the next context (``mg.transfer``), runs a data-parallel call over
+every context (``mg.parallel``: split and run events), and a jitted 256 x 256 matmul step
+whose result it waits for. It runs in blocks of ``--block`` seconds, alternately without any
+view and with an ``mg.Dashboard`` attached (a widget, refreshed live by its background thread,
+as in a notebook: values set, plots drawn to PNG), in ABBA order so drift in machine speed hits
+both alike. It prints iterations per second (medians, quartiles), the ratio of the medians and
+the median of the paired ratios (with / without; goal >= 0.95), and the events per second the
+loop recorded.
+
+Part 2 (load). For ``--load-seconds`` a loop computes (the same matmul step) while recording
+``--load-rate`` ledger events per second (a mix of transfer, step and run events) with a
+Dashboard attached. It prints the UI updates per second (limit 10), plot redraws, the largest
+buffer of events waiting for a refresh, errors logged, the refresh thread's CPU time, and
+memory after each third of the run: Python's allocated blocks and the process's resident set
+(tracemalloc is left off: it would slow the views it measures).
+
+Timings are reported, never asserted; exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _stats import median, quartiles
+
+import mgkit as mg
+from mgkit._ledger import Event
+from mgkit._live import BUFFER
+
+GOAL = 0.95
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="A compute loop with and without mg.Dashboard; a 1000 events/s load."
+    )
+    p.add_argument("--simulate", type=int, default=8, help="simulated CPU devices and contexts (default 8)")
+    p.add_argument("--pairs", type=int, default=6, help="with/without pairs of blocks (default 6)")
+    p.add_argument("--block", type=float, default=2.0, help="seconds per timed block (default 2)")
+    p.add_argument(
+        "--load-seconds", type=float, default=30.0, help="length of the load run (default 30; 0 skips)"
+    )
+    p.add_argument(
+        "--load-rate", type=int, default=1000, help="events per second in the load run (default 1000)"
+    )
+    args = p.parse_args(argv)
+    if args.simulate < 1 or args.pairs < 1 or args.block <= 0 or args.load_seconds < 0 or args.load_rate < 1:
+        p.error(
+            "--simulate, --pairs and --load-rate must be at least 1, --block positive, --load-seconds >= 0"
+        )
+    return args
+
+
+def _views_thread_cpu() -> float:
+    """CPU seconds the views' refresh thread has used (0 when it is not running)."""
+    for t in threading.enumerate():
+        if t.name == "mgkit-views" and t.native_id is not None:
+            try:
+                with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                return 0.0
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
+# -- part 1: speed ------------------------------------------------------------------------------
+
+
+def _workload(names: list[str]):
+    """One iteration of the compute loop, and its state."""
+    x = mg.put(np.ones((256, 256), np.float32), names[0])
+    w = mg.put(np.full((256, 256), 1e-3, np.float32), names[0])
+    f = mg.parallel(lambda a: jnp.tanh(a) * 2.0)
+    batch = np.ones((len(names) * 64, 64), np.float32)
+    step = jax.jit(lambda a, b: jnp.tanh(a @ b))
+    state = {"x": x, "i": 0}
+
+    def once() -> None:
+        i = state["i"] = state["i"] + 1
+        state["x"] = mg.transfer(state["x"], names[i % len(names)])
+        f(batch).block_until_ready()
+        step(w, w).block_until_ready()
+
+    return once
+
+
+def _block(once, seconds: float) -> tuple[float, int]:
+    """Iterations per second over a block of ``seconds``, and the events recorded meanwhile."""
+    led = mg.ledger()
+    before = sum(r[3] for r in led.summary().rows())
+    gc.collect()
+    n, t0 = 0, time.perf_counter()
+    end = t0 + seconds
+    while time.perf_counter() < end:
+        once()
+        n += 1
+    elapsed = time.perf_counter() - t0
+    led.flush()
+    return n / elapsed, sum(r[3] for r in led.summary().rows()) - before
+
+
+def speed(args: argparse.Namespace, names: list[str]) -> None:
+    once = _workload(names)
+    for _ in range(20):  # compile and warm up
+        once()
+    without: list[float] = []
+    with_dash: list[float] = []
+    events_per_s: list[float] = []
+    updates: list[float] = []
+    redraws: list[float] = []
+    thread_cpu: list[float] = []
+
+    def attached() -> float:
+        dash = mg.Dashboard(widget=True)
+        cpu0 = _views_thread_cpu()
+        try:
+            rate, events = _block(once, args.block)
+            thread_cpu.append((_views_thread_cpu() - cpu0) / args.block)
+        finally:
+            dash.close()
+        updates.append(dash.updates / args.block)
+        redraws.append((dash.transfers.redraws + dash.throughput.redraws) / args.block)
+        events_per_s.append(events / args.block)
+        return rate
+
+    for i in range(args.pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for dash in order:
+            if dash:
+                with_dash.append(attached())
+            else:
+                without.append(_block(once, args.block)[0])
+            mg.ledger().clear()
+    paired = [a / b for a, b in zip(with_dash, without, strict=True)]
+    q_with, q_without, q_pair = quartiles(with_dash), quartiles(without), quartiles(paired)
+    ratio = median(with_dash) / median(without)
+    print(f"compute loop: {args.pairs} pairs of {args.block:g} s blocks, ABBA order")
+    for name, xs, q in (("without a view", without, q_without), ("with mg.Dashboard", with_dash, q_with)):
+        print(f"  {name:<18} {median(xs):8.1f} it/s  (quartiles {q[0]:.1f} .. {q[1]:.1f})")
+    print(f"  events recorded    {median(events_per_s):8.0f} /s while the dashboard was attached")
+    print(
+        f"  dashboard          {median(updates):8.1f} updates/s, {median(redraws):.1f} picture redraws/s, "
+        f"refresh thread {100 * median(thread_cpu):.1f} % of a core"
+    )
+    print(
+        f"  with / without: ratio of medians {ratio:.3f}, median paired ratio {median(paired):.3f} "
+        f"(quartiles {q_pair[0]:.3f} .. {q_pair[1]:.3f}); goal >= {GOAL} -> "
+        f"{'met' if ratio >= GOAL else 'NOT met'}"
+    )
+
+
+# -- part 2: load -------------------------------------------------------------------------------
+
+
+def _events(names: list[str], i: int) -> Event:
+    now = time.time()
+    a, b = names[i % len(names)], names[(i + 1) % len(names)]
+    kind = ("transfer", "step", "run")[i % 3]
+    if kind == "transfer":
+        return Event("transfer", a, b, "cpu0", "cpu1", 65536, now, 1e-4, None, {"arrays": 1})
+    if kind == "step":
+        info = {"what": "load", "iteration": i, "of": None, "models": 1, "loss": 1.0 / (i + 1)}
+        info |= {"grad": 0.0, "samples_per_second": 1000.0 + i % 100, "final": False}
+        return Event("step", a, a, "cpu0", "cpu0", 0, now, 1e-3, None, info)
+    return Event(
+        "run", a, a, "cpu0", "cpu0", 0, now, 2e-3, None, {"fn": "f", "of": 512, "path": "spmd", "rows": 64}
+    )
+
+
+def load(args: argparse.Namespace, names: list[str]) -> None:
+    led = mg.ledger()
+    led.clear()
+    errors = _Errors()
+    logging.getLogger("mgkit").addHandler(errors)
+    w = jnp.ones((256, 256), jnp.float32)
+    step = jax.jit(lambda a: jnp.tanh(a @ a))
+    step(w).block_until_ready()
+    rss0, rss_max, blocks0 = _rss_mib(), 0.0, sys.getallocatedblocks()
+    dash = mg.Dashboard(widget=True)
+    cpu0 = _views_thread_cpu()
+    views = {"dashboard": dash, "transfers": dash.transfers, "throughput": dash.throughput}
+    views["devices"] = dash.devices
+    marks: list[tuple[float, int, float]] = []
+    recorded = steps = pending_max = 0
+    t0 = time.perf_counter()
+    third = args.load_seconds / 3
+    try:
+        while (now := time.perf_counter() - t0) < args.load_seconds:
+            step(w).block_until_ready()  # the cell's work
+            steps += 1
+            due = int(now * args.load_rate)
+            while recorded < due:
+                led.record(_events(names, recorded))
+                recorded += 1
+            pending_max = max(pending_max, dash.transfers.pending, dash.throughput.pending)
+            if now >= third * (len(marks) + 1):
+                rss = _rss_mib()
+                marks.append((now, sys.getallocatedblocks(), rss))
+                rss_max = max(rss_max, rss)
+    finally:
+        elapsed = time.perf_counter() - t0
+        cpu = _views_thread_cpu() - cpu0
+        dash.refresh()
+        dash.close()
+        logging.getLogger("mgkit").removeHandler(errors)
+    rss_max = max(rss_max, _rss_mib())
+    print(
+        f"load: {recorded} events in {elapsed:.1f} s ({recorded / elapsed:.0f}/s) while computing "
+        f"({steps / elapsed:.0f} matmul steps/s), Dashboard attached"
+    )
+    per_s = ", ".join(f"{k} {v.updates / elapsed:.1f}" for k, v in views.items())
+    print(f"  UI updates per second: {per_s} (limit 10; the device map changes only with memory use)")
+    print(
+        f"  picture redraws per second: transfers {dash.transfers.redraws / elapsed:.2f}, "
+        f"throughput {dash.throughput.redraws / elapsed:.2f}; "
+        f"refresh thread {100 * cpu / elapsed:.1f} % of a core"
+    )
+    print(
+        f"  largest buffer waiting for a refresh: {pending_max} events (bound {BUFFER}); "
+        f"ledger keeps {len(led)} (capacity {led.capacity})"
+    )
+    print(f"  errors logged: {errors.count}; view errors: {sum(v.errors for v in views.values())}")
+    shown = ", ".join(f"{t:.0f} s: {b - blocks0:+,} blocks, {r:.0f} MiB" for t, b, r in marks)
+    print(f"  memory (Python allocated blocks since the start, resident set): {shown}")
+    print(f"  resident memory: {rss0:.0f} MiB before, {rss_max:.0f} MiB at most")
+    print(f"  transfers counted by the view: {dash.transfers.count} (recorded {(recorded + 2) // 3})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mg.simulate(args.simulate)  # before any JAX operation
+    names = [f"dev{i}" for i in range(args.simulate)]
+    mg.use_contexts(";".join(f"{n}->cpu{i}" for i, n in enumerate(names)), verbose=False)
+    print(
+        f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices, python {sys.version.split()[0]}"
+    )
+    speed(args, names)
+    if args.load_seconds > 0:
+        load(args, names)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
