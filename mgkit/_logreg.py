@@ -16,9 +16,10 @@ one compiled program:
 * ``fit_many``: K models over one data set (a sweep of l2 values, or bootstrap row sets), spread
   over the contexts, several per device.
 
-Distinct devices of one kind run one SPMD program (``shard_map``) over all of them; contexts
-that share a device or mix kinds run one program per context, all dispatched before any is
-waited on.
+Distinct devices of one kind run one SPMD program (``shard_map``) over all of them. Otherwise
+each device runs its own program, all dispatched before any is waited on; for
+``fit_per_device`` the models of contexts that share a device are stacked into that device's
+one program (eight contexts on one GPU cost about one fit).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _HI = jax.lax.Precision.HIGHEST
 _SOLVERS = ("auto", "newton", "lbfgs", "gd")
 _MAX_ITER = {"newton": 100, "lbfgs": 1000, "gd": 10_000}
 _NEWTON_MAX_PARAMS = {"cpu": 64}  # parameters per model up to which "auto" picks Newton
-_NEWTON_MAX_PARAMS_ACCEL = 2048
+_NEWTON_MAX_PARAMS_ACCEL = 256
 _MEMORY = 10  # L-BFGS correction pairs
 _ARMIJO = 1e-4
 _BACKTRACKS = 30
@@ -82,11 +83,10 @@ class FitInfo:
     solver: str = "newton"
 
     def history(self) -> np.ndarray:
-        """The objective per iteration, initial model first, as host numpy (trimmed)."""
+        """The objective per iteration, initial model first, as host numpy, trimmed to the
+        iterations run (stacked models: a row each, NaN after a model stopped)."""
         loss, its = np.asarray(self.loss), np.asarray(self.iterations)
-        if loss.ndim == 1:
-            return loss[: int(its) + 1]
-        return np.stack([row[: int(i) + 1] for row, i in zip(loss, its.ravel(), strict=True)])
+        return loss[..., : int(its.max()) + 1]
 
 
 jax.tree_util.register_dataclass(
@@ -253,6 +253,7 @@ class Spec(NamedTuple):
     reduce: bool  # sum the loss, gradient and Hessian over the mesh axis (data-parallel)
     mapped: bool  # runs under shard_map over AXIS: the context index is the axis index
     fused: bool  # gradient as fused multiply-sums (XLA's CPU X.T @ R is slow)
+    stacked: bool = False  # model m has its own rows: X (M, n, d), y (n, M)
 
 
 class Fit(NamedTuple):
@@ -268,6 +269,7 @@ class Fit(NamedTuple):
 
 class _Carry(NamedTuple):
     it: Any
+    its: Any  # (M,) iterations each model took (models stop on their own in a batch)
     W: Any
     b: Any
     Z: Any
@@ -285,14 +287,17 @@ class _Carry(NamedTuple):
 def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     """Fits M models on local rows; with ``spec.reduce`` the rows are one shard of the data.
 
-    X: (n, d); y: (n,) class indices; omega: (n, 1 or M) row weights (0 for padding);
-    W0: (d, M, c); b0: (M, c); l2: (M,); tol, lr: scalars; run, ctx: ids for step reports.
+    X: (n, d), or (M, n, d) with ``spec.stacked`` (each model its own rows); y: (n,) class
+    indices, or (n, M) stacked; omega: (n, 1 or M) row weights (0 for padding); W0: (d, M, c);
+    b0: (M, c); l2: (M,); tol, lr: scalars; run: id for step reports; ctx: the context index
+    reporting (an (M,) array of them when stacked models belong to different contexts).
     """
-    n, d = X.shape
+    n, d = X.shape[-2:]
     M, c = b0.shape
     dtype = W0.dtype
     X = X.astype(dtype)
-    yf = y.astype(dtype)
+    ym = y if spec.stacked else y[:, None]  # (n, M or 1)
+    yf = ym.astype(dtype)
     eps = float(jnp.finfo(dtype).eps)
 
     def red(v):
@@ -302,14 +307,16 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     wn = omega / N  # each row's weight in the mean
 
     def scores(W, b):
+        if spec.stacked:
+            return jnp.einsum("mnd,dmc->nmc", X, W, precision=_HI) + b
         return (jnp.dot(X, W.reshape(d, M * c), precision=_HI)).reshape(n, M, c) + b
 
     def value(Z, W):
         if c == 1:
             z = Z[..., 0]
-            rows = jax.nn.softplus(z) - yf[:, None] * z
+            rows = jax.nn.softplus(z) - yf * z
         else:
-            picked = jnp.take_along_axis(Z, y[:, None, None], axis=-1)[..., 0]
+            picked = jnp.take_along_axis(Z, ym[:, :, None], axis=-1)[..., 0]
             rows = jax.nn.logsumexp(Z, axis=-1) - picked
         return red(jnp.sum(wn * rows, axis=0)) + l2 * jnp.sum(W * W, axis=(0, 2))
 
@@ -317,10 +324,14 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         return jax.nn.sigmoid(Z) if c == 1 else jax.nn.softmax(Z, axis=-1)
 
     def residual(Z):
-        target = yf[:, None, None] if c == 1 else jax.nn.one_hot(y, c, dtype=dtype)[:, None, :]
+        target = yf[..., None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype)
         return (probs(Z) - target) * wn[..., None]
 
     def grad(Z, W):
+        if spec.stacked:
+            gW = jnp.einsum("mnd,nmc->dmc", X, residual(Z), precision=_HI)
+            gW, gb = red((gW, residual(Z).sum(0)))
+            return flat(gW + 2 * l2[None, :, None] * W, gb)
         R = residual(Z).reshape(n, M * c)
         if spec.fused and M * c <= 4:  # one fused pass per column beats XLA's CPU X.T @ R
             gW = jnp.stack([jnp.sum(X * R[:, j : j + 1], axis=0) for j in range(M * c)], axis=1)
@@ -336,15 +347,16 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         return v[:, : d * c].reshape(M, d, c).transpose(1, 0, 2), v[:, d * c :]
 
     def hessian(Z):
-        Xa = jnp.concatenate([X, jnp.ones((n, 1), dtype)], axis=1)
+        Xa = jnp.concatenate([X, jnp.ones((*X.shape[:-1], 1), dtype)], axis=-1)
+        x = "mn" if spec.stacked else "n"  # the row axes of Xa
         Pr = probs(Z)
         if c == 1:
             s = (Pr * (1 - Pr))[..., 0] * wn
-            H = jnp.einsum("ni,nm,nj->mij", Xa, s, Xa, precision=_HI)
+            H = jnp.einsum(f"{x}i,nm,{x}j->mij", Xa, s, Xa, precision=_HI)
         else:
             wp = Pr * wn[..., None]
-            H1 = jnp.einsum("ni,nma,nj->miaj", Xa, wp, Xa, precision=_HI)
-            H2 = jnp.einsum("ni,nma,nj,nmb->miajb", Xa, wp, Xa, Pr, precision=_HI)
+            H1 = jnp.einsum(f"{x}i,nma,{x}j->miaj", Xa, wp, Xa, precision=_HI)
+            H2 = jnp.einsum(f"{x}i,nma,{x}j,nmb->miajb", Xa, wp, Xa, Pr, precision=_HI)
             H = H1[..., None] * jnp.eye(c, dtype=dtype)[None, None, :, None, :] - H2
             H = H.reshape(M, (d + 1) * c, (d + 1) * c)
         return red(H)
@@ -381,12 +393,12 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         descent = jnp.sum(step * st.g, axis=1) < 0
         return jnp.where(descent[:, None], step, -st.g)
 
-    def report(it, f, gmax, final=False):
+    def report(it, f, gmax):
         where = jax.lax.axis_index(AXIS) if spec.mapped else ctx
-        jax.debug.callback(_progress.report_final if final else _progress.report, run, where, it, f, gmax)
+        jax.debug.callback(_progress.report, run, where, it, f, gmax)
 
-    def maybe_report(it, f, gmax):
-        jax.lax.cond(it % spec.every == 0, lambda: report(it, f, gmax), lambda: None)
+    def maybe_report(it, f, gmax):  # the host records the last step itself, from the results
+        jax.lax.cond((it > 0) & (it % spec.every == 0), lambda: report(it, f, gmax), lambda: None)
 
     def gd_step(st):
         Z = scores(st.W, st.b)
@@ -395,7 +407,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         maybe_report(st.it, f, gmax)
         W, b = unflat(flat(st.W, st.b) - lr * g)
         hist = st.hist.at[:, st.it].set(f)
-        return st._replace(it=st.it + 1, W=W, b=b, f=f, g=g, gmax=gmax, hist=hist)
+        return st._replace(it=st.it + 1, its=st.its + 1, W=W, b=b, f=f, g=g, gmax=gmax, hist=hist)
 
     def search_step(st):
         maybe_report(st.it, st.f, st.gmax)
@@ -445,7 +457,8 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
             )
         done = st.done | stalled | (gmax <= tol)
         hist = st.hist.at[:, st.it + 1].set(jnp.where(active, f, jnp.nan))
-        return _Carry(st.it + 1, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, S, Y, rho)
+        its = st.its + active.astype(st.its.dtype)
+        return _Carry(st.it + 1, its, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, S, Y, rho)
 
     Z0 = scores(W0, b0)
     f0, g0 = value(Z0, W0), grad(Z0, W0)
@@ -454,6 +467,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     hist0 = jnp.full((M, spec.max_iter + 1), jnp.nan, dtype)
     start = _Carry(
         jnp.int32(0),
+        jnp.zeros((M,), jnp.int32),
         W0,
         b0,
         Z0,
@@ -478,22 +492,23 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     if spec.solver == "gd":  # the carry holds the step before the last update: evaluate the last
         Z = scores(st.W, st.b)
         f, gmax = value(Z, st.W), jnp.max(jnp.abs(grad(Z, st.W)), axis=1)
-    hist = st.hist.at[:, st.it].set(f)
+    hist = st.hist.at[jnp.arange(M), st.its].set(f)  # models that stopped early: already there
     conv = gmax <= tol
     if spec.solver != "gd":
         # A line search that can no longer lower the objective has met float rounding: accept
         # the gradient if it is within rounding of the terms it sums (bounded per column).
         def floor():
             R = jnp.abs(residual(st.Z)).sum(axis=(0, 2))
-            col = jnp.max(jnp.abs(X), axis=0)
+            col = jnp.max(jnp.abs(X), axis=-2)  # per feature (and model, when stacked)
             col = jax.lax.pmax(col, AXIS) if spec.reduce else col
-            terms = red(R) * jnp.maximum(jnp.max(col), 1.0) + 2 * l2 * jnp.max(jnp.abs(st.W), axis=(0, 2))
+            terms = red(R) * jnp.maximum(jnp.max(col, axis=-1), 1.0) + 2 * l2 * jnp.max(
+                jnp.abs(st.W), axis=(0, 2)
+            )
             return 64 * eps * math.sqrt(n) * terms
 
         limit = jax.lax.cond(jnp.any(st.stalled), floor, lambda: jnp.zeros((M,), dtype))
         conv = conv | (st.stalled & (gmax <= limit))
-    report(st.it, f, gmax, final=True)
-    return Fit(st.W, st.b, hist, st.it, gmax, conv)
+    return Fit(st.W, st.b, hist, st.its, gmax, conv)
 
 
 # -- programs ------------------------------------------------------------------------------
@@ -502,6 +517,16 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
 def _local_program(spec: Spec) -> Callable:
     """One device, M models: ``solve`` compiled."""
     return _parallel._PROGRAMS.get(("logreg", spec), lambda: jax.jit(functools.partial(solve, spec)))
+
+
+def _stacked_program(spec: Spec) -> Callable:
+    """One device, M models each on its own rows: a tuple of M equal-shape X, then y and row
+    weights (n, M), then ``solve``'s other arguments."""
+
+    def program(Xs, *rest):
+        return solve(spec._replace(stacked=True), jnp.stack(Xs), *rest)
+
+    return _parallel._PROGRAMS.get(("logreg", "stacked", spec), lambda: jax.jit(program))
 
 
 # Partition specs per layout, for (X, y, omega, W0, b0, l2) and the outputs.
@@ -530,8 +555,7 @@ def _mapped_program(spec: Spec, devices: tuple, layout: str, omega_spec: Any = N
         scalar = (_REPL,) * 4  # tol, lr, run, ctx
 
         def body(X, y, omega, W0, b0, l2, tol, lr, run, ctx):
-            out = solve(spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx)
-            return out._replace(its=out.its[None]) if layout != "rows" else out
+            return solve(spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx)
 
         mesh = _parallel.mesh(devices)
         program = jax.shard_map(
@@ -551,8 +575,9 @@ def _dtype() -> Any:
     return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
 
-def _check_X(X: Any, where: str, name: str = "X") -> Any:
-    """A 2-D, finite, real array (numpy on the host, or a jax.Array where it is)."""
+def _check_X(X: Any, where: str, name: str = "X", finite: bool = True) -> Any:
+    """A 2-D, real array (numpy on the host, or a jax.Array where it is), checked finite unless
+    ``finite`` is False (then the caller checks several at once with ``_check_finite``)."""
     if isinstance(X, jax.Array):
         arr = X
     else:
@@ -578,21 +603,35 @@ def _check_X(X: Any, where: str, name: str = "X") -> Any:
             f"{where}: {name} is empty (shape {tuple(arr.shape)}); fitting needs at least one sample "
             "and one feature"
         )
-    if kind == "f":
-        bad = ~(jnp.isfinite(arr) if isinstance(arr, jax.Array) else np.isfinite(arr))
-        count = int(bad.sum())
-        if count:
-            row, col = (int(i) for i in np.argwhere(np.asarray(bad))[0])
-            raise ValueError(
-                f"{where}: {name} has {count} NaN or infinite value(s), the first at row {row}, column "
-                f"{col} (value {float(arr[row, col])}); drop or impute them (e.g. with column means) "
-                "before fitting"
-            )
+    if finite:
+        _check_finite([arr], [name], where)
     if isinstance(arr, np.ndarray):
         arr = arr.astype(_dtype(), copy=False)
     elif arr.dtype != _dtype():
         arr = arr.astype(_dtype())
     return arr
+
+
+@jax.jit
+def _nonfinite(a: jax.Array) -> jax.Array:
+    return jnp.sum(~jnp.isfinite(a))
+
+
+def _check_finite(arrays: list, names: list[str], where: str) -> None:
+    """Raises for the first array holding NaN or inf. Arrays on devices are counted where they
+    are, all before waiting once for the counts."""
+    floats = [(a, nm) for a, nm in zip(arrays, names, strict=True) if np.dtype(a.dtype).kind == "f"]
+    counts = jax.device_get(
+        [_nonfinite(a) if isinstance(a, jax.Array) else np.count_nonzero(~np.isfinite(a)) for a, _ in floats]
+    )
+    for (arr, name), count in zip(floats, counts, strict=True):
+        if count:
+            row, col = (int(i) for i in np.argwhere(~np.isfinite(np.asarray(arr)))[0])
+            raise ValueError(
+                f"{where}: {name} has {int(count)} NaN or infinite value(s), the first at row {row}, "
+                f"column {col} (value {float(arr[row, col])}); drop or impute them (e.g. with column "
+                "means) before fitting"
+            )
 
 
 def _encode(y: Any, n: int, where: str, name: str = "y") -> tuple[np.ndarray, np.ndarray]:
@@ -682,7 +721,12 @@ def _spec(opts: _Options, d: int, c: int, platform: str, reduce: bool, mapped: b
         limit = _NEWTON_MAX_PARAMS.get(platform, _NEWTON_MAX_PARAMS_ACCEL)
         solver = "newton" if (d + 1) * c <= limit else "lbfgs"
     max_iter = opts.max_iter or _MAX_ITER[solver]
-    every = {"newton": 1, "lbfgs": 10, "gd": max(1, max_iter // 100)}[solver]
+    # Iterations between step reports. Each report stops the device for a host callback, which
+    # costs an accelerator more than a few of its fast iterations.
+    if platform == "cpu":
+        every = {"newton": 1, "lbfgs": 10, "gd": max(1, max_iter // 100)}[solver]
+    else:
+        every = {"newton": 5, "lbfgs": 50, "gd": max(1, max_iter // 20)}[solver]
     return Spec(solver, c, max_iter, every, reduce, mapped, platform == "cpu")
 
 
@@ -721,23 +765,30 @@ def _pieces(fit: Fit, part: int | tuple, c: int) -> tuple:
     w = jnp.moveaxis(W, 1, 0) if isinstance(part, tuple) else W
     w = w[..., 0] if c == 1 else w
     b = fit.b[i][..., 0] if c == 1 else fit.b[i]
-    its = fit.its if fit.its.ndim == 0 else fit.its[i]
-    return w, b, fit.hist[i], its, fit.conv[i], fit.gmax[i]
+    return w, b, fit.hist[i], fit.its[i], fit.conv[i], fit.gmax[i]
 
 
-def _warn(models: Mapping[str, Model], where: str, solver: str) -> None:
-    """One ConvergenceWarning naming every model that stopped short (and whether it diverged)."""
-    bad, diverged = [], False
-    for key, m in models.items():
-        conv = np.asarray(m.info.converged).ravel()
-        grad = np.asarray(m.info.grad_norm).ravel()
-        hist = np.asarray(m.info.loss).reshape(conv.size, -1)
-        its = np.asarray(m.info.iterations).ravel()
-        for j in np.flatnonzero(~conv):
-            label = key if conv.size == 1 else f"{key}[{j}]" if key else f"model {j}"
-            bad.append(f"{label + ': ' if label else ''}max|gradient| {grad[j]:.3g}")
-            last = hist[j, its[j] if its.size > 1 else its[0]]
-            diverged |= not np.isfinite(last) or last > hist[j, 0]
+def _conclude(run: _progress.Run, fits: list, rows: list[tuple[int, int]], labels, owners, where, solver):
+    """Fetches the fits' facts in one wait, records each context's final step event, and warns
+    about the models that stopped short.
+
+    ``rows``: (fit, row) of each model in order; ``labels``: how the warning names each model;
+    ``owners``: the context index, or indices, that fitted each model.
+    """
+    facts = jax.device_get([(f.conv, f.gmax, f.hist, f.its) for f in fits])
+    conv, grad, its = (np.stack([facts[f][k][r] for f, r in rows]) for k in (0, 1, 3))
+    last = np.stack([facts[f][2][r][i] for (f, r), i in zip(rows, its, strict=True)])
+    first = np.stack([facts[f][2][r][0] for f, r in rows])
+    mine: dict[int, list[int]] = {}
+    for r, owner in enumerate(owners):
+        for ctx in np.atleast_1d(owner).tolist():
+            mine.setdefault(ctx, []).append(r)
+    for ctx, got in mine.items():
+        run.step(ctx, int(its[got].max()), last[got], grad[got], final=True)
+    bad = [
+        f"{labels[r] + ': ' if labels[r] else ''}max|gradient| {grad[r]:.3g}" for r in np.flatnonzero(~conv)
+    ]
+    diverged = bool(np.any(~conv & (~np.isfinite(last) | (last > first))))
     if not bad:
         return
     shown = "; ".join(bad[:8]) + (f"; ... ({len(bad)} in all)" if len(bad) > 8 else "")
@@ -840,8 +891,10 @@ def fit(
             f"devices of one kind, but the contexts mix kinds ({kinds}). Pass contexts=[...] naming "
             "devices of one kind, or fit one model per context with mg.logreg.fit_per_device"
         )
-    names = tuple(_contexts.name_of(dv) for dv in devices)
-    targets = Targets(names, devices, True)
+    first = {}  # each device under the first of the given contexts that names it
+    for nm, dv in zip(targets.names, targets.devices, strict=True):
+        first.setdefault(dv, nm)
+    targets = Targets(tuple(first.values()), devices, True)
     k = len(devices)
     spec = _spec(opts, d, c, devices[0].platform, reduce=True, mapped=True)
     sizes = _parallel.shares(n, k)
@@ -877,7 +930,7 @@ def fit(
     finally:
         run.close()
     model = _model(out, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
-    _warn({"": model}, where, spec.solver)
+    _conclude(run, [out], [(0, 0)], [""], [list(range(k))], where, spec.solver)
     return model
 
 
@@ -972,9 +1025,10 @@ def fit_per_device(
                 f"{where}: {source.format(name)} a {type(pair).__name__}; expected a pair (X, y) with X of "
                 "shape (n, d) and y of shape (n,)"
             )
-        X = _check_X(pair[0], where, f"X for context {name!r}")
+        X = _check_X(pair[0], where, f"X for context {name!r}", finite=False)
         y_idx, classes = _encode(pair[1], X.shape[0], where, f"y for context {name!r}")
         parts.append((X, y_idx, classes))
+    _check_finite([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names], where)
     l2s = _private(l2, targets, where, "l2")
     Cs = _private(C, targets, where, "C")
     inits = _private(init, targets, where, "init")
@@ -992,36 +1046,26 @@ def fit_per_device(
         "logreg.fit_per_device", targets, [X.shape[0] for X, _, _ in parts], [1] * len(parts), specs[0]
     )
     try:
-        placed = [
-            place([X, y_idx, np.ones((X.shape[0], 1), dtype)], name, device, "put")
-            for (X, y_idx, _), name, device in zip(parts, targets.names, targets.devices, strict=True)
-        ]
         if targets.spmd and same:
+            placed = [
+                place([X, y_idx, np.ones((X.shape[0], 1), dtype)], name, device, "put")
+                for (X, y_idx, _), name, device in zip(parts, targets.names, targets.devices, strict=True)
+            ]
             fits = _per_device_spmd(placed, starts, penalties, targets, specs[0], opts, run, dtype)
         else:
-            fits = []
-            for i, (data_i, (W0, b0), l2v, spec) in enumerate(
-                zip(placed, starts, penalties, specs, strict=True)
-            ):
-                name, device = targets.names[i], targets.devices[i]
-                params = place(
-                    [W0[:, None].astype(dtype), b0[None].astype(dtype), np.asarray([l2v], dtype)],
-                    name,
-                    device,
-                    "put",
-                )
-                scalars = (*_scalars(opts, run, dtype)[:3], np.int32(i))
-                fits.append(_local_program(spec)(*data_i, *params, *scalars))
+            fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
         fits = _progress.wait(fits, run, opts.progress)
     finally:
         run.close()
     models = {
-        name: _model(fit, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
-        for name, fit, (_, _, classes), l2v, spec, (_, c) in zip(
+        name: _model(fit, m, classes, np.asarray(l2v, dtype), spec.solver, c)
+        for name, (fit, m), (_, _, classes), l2v, spec, (_, c) in zip(
             targets.names, fits, parts, penalties, specs, shapes, strict=True
         )
     }
-    _warn(models, where, specs[0].solver)
+    unique = list({id(f): f for f, _ in fits}.values())
+    rows = [(next(j for j, u in enumerate(unique) if u is f), m) for f, m in fits]
+    _conclude(run, unique, rows, list(targets.names), range(len(fits)), where, specs[0].solver)
     return models
 
 
@@ -1051,7 +1095,34 @@ def _per_device_spmd(placed, starts, penalties, targets, spec, opts, run, dtype)
     t0 = time.perf_counter()
     out = _mapped_program(spec, targets.devices, "devices")(*glob, *params, *_scalars(opts, run, dtype))
     _record(host_events, out, t0)
-    return [jax.tree_util.tree_map(lambda a, i=i: _shard(a, targets.devices[i]), out) for i in range(k)]
+    return [(jax.tree_util.tree_map(lambda a, i=i: _shard(a, targets.devices[i]), out), 0) for i in range(k)]
+
+
+def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype) -> list[tuple[Fit, int]]:
+    """One program per device, all dispatched before any is waited on. The models of contexts
+    that share a device (with data of one shape) are fitted together, stacked: eight contexts on
+    one GPU cost about one fit, not eight. Returns (fit, index of the context's model in it)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, ((X, _, _), spec) in enumerate(zip(parts, specs, strict=True)):
+        groups.setdefault((targets.devices[i], spec, X.shape), []).append(i)
+    tol, lr, run_id, _ = _scalars(opts, run, dtype)
+    out: list = [None] * len(parts)
+    for (device, spec, _), members in groups.items():
+        Xs = tuple(place([parts[i][0]], targets.names[i], device, "put")[0] for i in members)
+        y = np.stack([parts[i][1] for i in members], axis=1)  # (n, M): one copy for the group
+        W0 = np.stack([starts[i][0] for i in members], axis=1).astype(dtype)
+        b0 = np.stack([starts[i][1] for i in members]).astype(dtype)
+        l2 = np.asarray([penalties[i] for i in members], dtype)
+        omega = np.ones(y.shape, dtype)
+        y = y[:, 0] if len(members) == 1 else y
+        rest = place([y, omega, W0, b0, l2], targets.names[members[0]], device, "put")
+        if len(members) == 1:
+            fit = _local_program(spec)(Xs[0], *rest, tol, lr, run_id, np.int32(members[0]))
+        else:
+            ctxs = np.asarray(members, np.int32)
+            fit = _stacked_program(spec)(Xs, *rest, tol, lr, run_id, ctxs)
+        out = [(fit, members.index(i)) if i in members else o for i, o in enumerate(out)]
+    return out
 
 
 def _shard(a: jax.Array, device: jax.Device) -> jax.Array:
@@ -1188,16 +1259,16 @@ def fit_many(
                 jnp.concatenate([o.W for o in moved], axis=1),
                 jnp.concatenate([o.b for o in moved]),
                 jnp.concatenate([o.hist for o in moved]),
-                jnp.concatenate([jnp.broadcast_to(o.its, (m,)) for o, m in zip(moved, chunks, strict=True)]),
+                jnp.concatenate([o.its for o in moved]),
                 jnp.concatenate([o.gmax for o in moved]),
                 jnp.concatenate([o.conv for o in moved]),
             )
     finally:
         run.close()
-    if targets.spmd:  # one iteration count per device: give each model its device's
-        out = out._replace(its=jnp.repeat(out.its, per))
     model = _model(out, slice(0, k_models), classes, jnp.asarray(pen[:k_models]), spec.solver, c)
-    _warn({"": model}, where, spec.solver)
+    owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
+    labels = [f"model {j}" for j in range(k_models)]
+    _conclude(run, [out], [(0, j) for j in range(k_models)], labels, owners, where, spec.solver)
     return model
 
 

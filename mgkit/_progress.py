@@ -2,7 +2,8 @@
 
 A fit compiles its whole loop into one program. Every few iterations the program calls
 ``report`` on the host (``jax.debug.callback``), which records a ``step`` event in the ledger
-for the context that reported. The caller waits in ``wait``, on its own thread, which shows a
+for the context that reported; the caller records each context's final step once the work is
+done (it fetches the results anyway). The caller waits in ``wait``, on its own thread, which shows a
 progress bar once the work has run for a second (a widget in notebooks, text elsewhere, through
 tqdm, imported only then). Nothing here runs on the compute path except the callback.
 """
@@ -79,16 +80,19 @@ class Run:
             self.iteration, self.loss, self.grad = int(iteration), info["loss"], info["grad"]
 
 
-def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any, final: bool = False) -> None:
-    """The host side of ``jax.debug.callback`` in a compiled loop: one step event."""
+def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
+    """The host side of ``jax.debug.callback`` in a compiled loop: one step event per context
+    (``ctx`` is one context index, or one per model when a program fits several contexts' models)."""
     live = Run._live.get(int(np.asarray(run)))
-    if live is not None:  # a run the caller stopped waiting for (Ctrl-C) reports nothing
-        live.step(int(np.asarray(ctx)), int(np.asarray(iteration)), loss, grad, final)
-
-
-def report_final(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
-    """``report`` for the last step of a run."""
-    report(run, ctx, iteration, loss, grad, final=True)
+    if live is None:  # a run the caller stopped waiting for (Ctrl-C) reports nothing
+        return
+    ctx, it = np.asarray(ctx), int(np.asarray(iteration))
+    if ctx.ndim == 0:
+        live.step(int(ctx), it, loss, grad)
+        return
+    loss, grad = np.asarray(loss), np.asarray(grad)
+    for m, i in enumerate(ctx.tolist()):
+        live.step(i, it, loss[m : m + 1], grad[m : m + 1])
 
 
 def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
@@ -116,6 +120,8 @@ def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
             if bar is not None and bar.n != run.iteration:
                 _update(bar, run)
         if bar is not None:
+            if run.total is not None and not failure:  # a fixed number of steps: all done
+                run.iteration = run.total
             _update(bar, run)
     finally:
         if bar is not None:
