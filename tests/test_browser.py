@@ -114,6 +114,19 @@ def _number(pattern: str, text: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _wait_for_output(page, text: str) -> None:
+    """Waits for a cell output containing ``text``; on timeout, fails showing what the cells printed."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.locator(".jp-OutputArea-output").filter(has_text=text).wait_for()
+    except PlaywrightTimeout:
+        outputs = page.locator(".jp-OutputArea-output").all_inner_texts()
+        raise AssertionError(
+            f"no output {text!r} in {UI_TIMEOUT / 1000:.0f} s; the cells showed {outputs}"
+        ) from None
+
+
 class Lab:
     """A JupyterLab server of its own, on 127.0.0.1."""
 
@@ -233,7 +246,7 @@ def test_dashboard_updates_live_in_jupyterlab(lab, tmp_path):
             page.wait_for_function(KERNEL_IDLE, timeout=UI_TIMEOUT)
             # Not awaited: the command's promise resolves only when every cell has run.
             page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
-            page.locator(".jp-OutputArea-output").filter(has_text="loop started").wait_for()
+            _wait_for_output(page, "loop started")
 
             def look() -> dict:
                 state = page.evaluate(READ_PAGE)
@@ -270,7 +283,7 @@ def test_dashboard_updates_live_in_jupyterlab(lab, tmp_path):
             )
 
             (lab.root / STOP_FILE).write_text("")
-            page.locator(".jp-OutputArea-output").filter(has_text="loop done").wait_for()
+            _wait_for_output(page, "loop done")
             final = look()
             assert final["count"] >= later["count"]
         finally:
