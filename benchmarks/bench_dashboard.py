@@ -225,10 +225,11 @@ def load(args: argparse.Namespace, names: list[str]) -> None:
                 led.record(_events(names, recorded))
                 recorded += 1
             pending_max = max(pending_max, dash.transfers.pending, dash.throughput.pending)
-            if now >= third * (len(marks) + 1):
+            if now >= third * (len(marks) + 1) and len(marks) < 2:
                 rss = _rss_mib()
                 marks.append((now, sys.getallocatedblocks(), rss))
                 rss_max = max(rss_max, rss)
+        marks.append((time.perf_counter() - t0, sys.getallocatedblocks(), _rss_mib()))
     finally:
         elapsed = time.perf_counter() - t0
         cpu = _views_thread_cpu() - cpu0
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"dev{i}" for i in range(args.simulate)]
     mg.use_contexts(";".join(f"{n}->cpu{i}" for i, n in enumerate(names)), verbose=False)
     print(
-        f"jax {jax.__version__}, {len(jax.devices())} simulated CPU devices, python {sys.version.split()[0]}"
+        f"jax {jax.__version__}, {len(jax.devices('cpu'))} simulated CPU devices (contexts {names[0]}.."
+        f"{names[-1]}), default backend {jax.default_backend()}, python {sys.version.split()[0]}"
     )
     speed(args, names)
     if args.load_seconds > 0:

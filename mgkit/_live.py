@@ -7,8 +7,9 @@ set widget values; it holds views weakly, so a view nobody references any more s
 refreshing and is collected. Widgets are displayed from the main thread only; this thread
 just sets values, which ipywidgets sends to the browser even while a cell runs.
 
-Plots get a time budget on top of the rate: a redraw that took ``c`` seconds is followed by
-none for ``c / DRAW_SHARE`` seconds, so each picture takes at most ~2 % of the wall time.
+Pictures redraw at most PICTURE_RATE times a second, and within a time budget: a redraw that
+took ``c`` seconds is followed by none for ``c / DRAW_SHARE`` seconds, so each picture takes at
+most ~1 % of the wall time. Text values follow at the view's full rate.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ log = logging.getLogger("mgkit")
 
 MAX_RATE = 10.0  # refreshes per second, at most
 BUFFER = 10_000  # events a view holds between two refreshes, at most
-DRAW_SHARE = 0.02  # share of the wall time pictures may take to draw
+DRAW_SHARE = 0.01  # share of the wall time each picture may take to draw
+PICTURE_RATE = 4.0  # picture redraws per second, at most
 TICK = 0.05  # seconds between the refresh thread's looks at its views
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import abc
 import collections
+import heapq
 import html
 import math
+import operator
 import os
 import threading
 import time
@@ -24,9 +26,10 @@ import numpy as np
 from . import _contexts, _devices, _svg
 from ._errors import ContextError
 from ._ledger import Event, Ledger, Matrix, short_label
-from ._live import DRAW_SHARE, REFRESHER, Feed, check_count, check_ledger, check_rate, in_kernel
+from ._live import DRAW_SHARE, PICTURE_RATE, REFRESHER, Feed, check_count, check_ledger, check_rate, in_kernel
 from ._table import html_table, human_bytes, text_table
 
+_START = operator.attrgetter("start")
 COMPUTE_KINDS = frozenset({"step", "run"})
 """Event kinds that are work on a context; every other kind moves bytes."""
 
@@ -449,7 +452,7 @@ class _Plotted(LiveView):
 
     def _redraw(self, budgeted: bool) -> bool:
         """Redraws the picture if its data changed; from the live thread only when the budget
-        allows (drawing takes at most DRAW_SHARE of the wall time)."""
+        allows (at most PICTURE_RATE a second, drawing at most DRAW_SHARE of the wall time)."""
         if not self._stale():
             return False
         now = time.monotonic()
@@ -459,7 +462,7 @@ class _Plotted(LiveView):
         version = self._version
         self._plot.value = self.svg()
         cost = time.perf_counter() - t0
-        self._draw_next = now + max(1.0 / self.rate, cost / DRAW_SHARE)
+        self._draw_next = now + max(1.0 / min(self.rate, PICTURE_RATE), cost / DRAW_SHARE)
         self._drawn = version
         self.redraws += 1
         return True
@@ -757,13 +760,13 @@ class TransferView(_Plotted):
             if old.names != self._matrix.names or not np.array_equal(old.values, self._matrix.values):
                 self._version += 1
             changed = True
-        kept = (
-            events[-self.max_rows :]
-            if self.contexts is None
-            else [e for e in events if self._keep(e.src, e.dst)]
-        )
-        if kept:
-            self._recent.extend(kept)
+        if self.contexts is not None:
+            events = [e for e in events if self._keep(e.src, e.dst)]
+        if events:  # copies finish out of order: the table lists the newest by start, like the ledger
+            newest = heapq.nlargest(self.max_rows, events, key=_START)
+            merged = sorted([*self._recent, *newest], key=_START)[-self.max_rows :]
+            self._recent.clear()
+            self._recent.extend(merged)
             changed = True
         if self._box is not None and changed:
             self._count_label.value = f"transfers: {self.count}"
@@ -858,8 +861,8 @@ class ThroughputView(_Plotted):
     Args:
       contexts: show only these contexts (default: all).
       history: points kept per context, 2 to 100000 (older points drop out).
-      rate: refreshes per second, above 0 and at most 10 (the plot itself redraws less often
-        when drawing is slow: it takes at most ~2 % of the time).
+      rate: refreshes per second, above 0 and at most 10 (the plot itself redraws at most 4
+        times a second, and less often when drawing is slow: it takes at most ~1 % of the time).
       ledger: the ledger to follow (default ``mg.ledger()``).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.

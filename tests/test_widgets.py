@@ -157,6 +157,22 @@ def test_transfer_view_filter_gbps_labels_and_ledger_clear():
     assert view.count == 0 and view.recent() == [] and not view.matrix().values.any()
 
 
+def test_transfer_view_lists_the_newest_transfers_by_start_time():
+    led = Ledger()
+    view = mg.TransferView(max_rows=2, ledger=led, widget=False)
+    t = time.time()
+    for start, dst in (
+        (t + 2, "dev2"),
+        (t, "dev0"),
+        (t + 3, "dev3"),
+        (t + 1, "dev1"),
+    ):  # finished out of order
+        led.record(_move("dev7", dst, 8)._replace(start=start))
+    assert [e.dst for e in view.recent()] == ["dev3", "dev2"]
+    led.record(_move("dev7", "dev4", 8)._replace(start=t + 2.5))
+    assert [e.dst for e in view.recent()] == ["dev3", "dev4"] and view.count == 5
+
+
 # -- throughput --------------------------------------------------------------------------------
 
 
