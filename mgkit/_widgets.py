@@ -2,8 +2,10 @@
 
 Each view follows the ledger through a bounded feed and is refreshed by one shared background
 thread (``_live``) at most ``rate`` times a second, so it updates while a long cell runs.
-ipywidgets and matplotlib are imported only when a widget is made or a picture is drawn; the
-pictures are drawn on ``Figure`` objects with an Agg canvas (no pyplot, no display, any thread).
+Live pictures (the bytes heatmap, the throughput lines) are SVG in HTML widgets (``_svg``),
+about a millisecond each; ``save_png`` draws with matplotlib on ``Figure`` objects with an Agg
+canvas (no pyplot, no display). ipywidgets is imported only when a widget is made, matplotlib
+only when a picture is saved.
 """
 
 from __future__ import annotations
@@ -490,7 +492,8 @@ class Header(LiveView):
         cpus = platforms.get("cpu", 0)
         flags = os.environ.get("XLA_FLAGS", "")
         simulated = cpus > 1 and (
-            jax.config.jax_num_cpu_devices > 1 or "xla_force_host_platform_device_count" in flags
+            getattr(jax.config, "jax_num_cpu_devices", -1) > 1
+            or "xla_force_host_platform_device_count" in flags
         )
         return {
             "mgkit": __version__,

@@ -65,6 +65,15 @@ def test_import_mgkit_loads_no_widget_library_and_text_views_need_none():
     assert "mgkit device map: 1 context(s), current (*) dev0" in r.stdout
 
 
+def test_header_says_xla_flag_devices_are_simulated():
+    r = run_python(
+        "import mgkit as mg; print(mg.Dashboard(widget=False).header.text())",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert "devices: 4 CPU | simulated: yes (4 simulated CPU devices)" in r.stdout
+
+
 # -- device map --------------------------------------------------------------------------------
 
 
