@@ -927,11 +927,10 @@ def fit(
         out = program(*placed, *_scalars(opts, run, dtype))
         _record(host_events, out, t0)
         out = _progress.wait(out, run, opts.progress)
+        _conclude(run, [out], [(0, 0)], [""], [list(range(k))], where, spec.solver)
     finally:
         run.close()
-    model = _model(out, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
-    _conclude(run, [out], [(0, 0)], [""], [list(range(k))], where, spec.solver)
-    return model
+    return _model(out, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
 
 
 def _names(*names: str) -> Callable[[int], str]:
@@ -1055,18 +1054,17 @@ def fit_per_device(
         else:
             fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
         fits = _progress.wait(fits, run, opts.progress)
+        unique = list({id(f): f for f, _ in fits}.values())
+        rows = [(next(j for j, u in enumerate(unique) if u is f), m) for f, m in fits]
+        _conclude(run, unique, rows, list(targets.names), range(len(fits)), where, specs[0].solver)
     finally:
         run.close()
-    models = {
+    return {
         name: _model(fit, m, classes, np.asarray(l2v, dtype), spec.solver, c)
         for name, (fit, m), (_, _, classes), l2v, spec, (_, c) in zip(
             targets.names, fits, parts, penalties, specs, shapes, strict=True
         )
     }
-    unique = list({id(f): f for f, _ in fits}.values())
-    rows = [(next(j for j, u in enumerate(unique) if u is f), m) for f, m in fits]
-    _conclude(run, unique, rows, list(targets.names), range(len(fits)), where, specs[0].solver)
-    return models
 
 
 def _private(value: Any, targets: Targets, where: str, what: str) -> list:
@@ -1263,13 +1261,12 @@ def fit_many(
                 jnp.concatenate([o.gmax for o in moved]),
                 jnp.concatenate([o.conv for o in moved]),
             )
+        owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
+        labels = [f"model {j}" for j in range(k_models)]
+        _conclude(run, [out], [(0, j) for j in range(k_models)], labels, owners, where, spec.solver)
     finally:
         run.close()
-    model = _model(out, slice(0, k_models), classes, jnp.asarray(pen[:k_models]), spec.solver, c)
-    owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
-    labels = [f"model {j}" for j in range(k_models)]
-    _conclude(run, [out], [(0, j) for j in range(k_models)], labels, owners, where, spec.solver)
-    return model
+    return _model(out, slice(0, k_models), classes, jnp.asarray(pen[:k_models]), spec.solver, c)
 
 
 def _row_sets(rows: Any, n: int, where: str) -> np.ndarray:

@@ -47,12 +47,18 @@ class Run:
         self.start = time.perf_counter()
         self._last = {i: (self.start, 0) for i in range(len(self.names))}
         self.iteration, self.loss, self.grad = 0, float("nan"), float("nan")
+        self.bar: Any = None  # the progress bar ``wait`` drew, closed by ``close``
         with Run._lock:
             Run._live[self.id] = self
 
     def close(self) -> None:
+        """Ends the run: later reports are ignored, and the bar shows the last step and closes."""
         with Run._lock:
             Run._live.pop(self.id, None)
+        bar, self.bar = self.bar, None
+        if bar is not None:
+            _update(bar, self)
+            bar.close()
 
     def step(self, ctx: int, iteration: int, loss: np.ndarray, grad: np.ndarray, final: bool = False) -> None:
         """Records one ``step`` event for context ``ctx`` at ``iteration``."""
@@ -98,7 +104,8 @@ def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
 def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
     """Waits for ``outputs`` on a helper thread, so the caller stays responsive (Ctrl-C works)
     and can draw a bar: after a second of work when ``progress`` is None, at once when True,
-    never when False. Returns the outputs, or raises what computing them raised."""
+    never when False. Returns the outputs, or raises what computing them raised. The bar stays
+    open until ``run.close()``, so it can show the last step, which the caller records."""
     finished = threading.Event()
     failure: list[BaseException] = []
 
@@ -119,15 +126,19 @@ def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
                 bar = _bar(run)
             if bar is not None and bar.n != run.iteration:
                 _update(bar, run)
-        if bar is not None:
-            if run.total is not None and not failure:  # a fixed number of steps: all done
-                run.iteration = run.total
-            _update(bar, run)
-    finally:
+        if bar is None and progress and not failure:  # finished before the first look: show it done
+            bar = _bar(run)
+        if run.total is not None and not failure:  # a fixed number of steps: all done
+            run.iteration = run.total
+    except BaseException:
         if bar is not None:
             bar.close()
+        raise
     if failure:
+        if bar is not None:
+            bar.close()
         raise failure[0]
+    run.bar = bar  # the caller records the last step, then ``run.close()`` shows it and closes
     return outputs
 
 

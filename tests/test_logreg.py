@@ -314,6 +314,13 @@ def test_progress_bar_in_text(small, capsys):
     assert "logreg.fit (gd)" in err and "50/50" in err
 
 
+def test_progress_true_shows_a_fast_fit_done(small, capsys):
+    X, y = small
+    m = lr.fit(X, y, l2=0.01, contexts=1, solver="lbfgs", progress=True)  # done within the first look
+    err = capsys.readouterr().err
+    assert "logreg.fit (lbfgs)" in err and f" {int(m.info.iterations)}it " in err
+
+
 def test_progress_false_prints_nothing(small, capsys):
     X, y = small
     lr.fit(X, y, l2=0.01, contexts=1, progress=False)
