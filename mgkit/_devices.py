@@ -192,14 +192,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "host CPU"
 
 
+def memory_stats(device: jax.Device) -> dict:
+    """The device's memory statistics, or {} where it reports none (CPU)."""
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+        return {}
+
+
 def memory(device: jax.Device) -> tuple[int | None, int | None]:
     """(bytes in use, byte limit) where the device reports them, else (None, None)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        stats = None
-    if not stats:
-        return None, None
+    stats = memory_stats(device)
     return stats.get("bytes_in_use"), stats.get("bytes_limit")
 
 

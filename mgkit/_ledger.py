@@ -250,11 +250,17 @@ class Ledger:
         events.sort(key=lambda e: e.start)  # stable: events issued together keep their order
         return [e for e in events if kind is None or e.kind == kind]
 
+    def totals(self) -> dict[tuple[str, str, str], tuple[int, int, float]]:
+        """Running (count, bytes, seconds) per (kind, source, target) since the last ``clear()``,
+        as recorded so far: unlike ``summary()`` it does not wait for events in flight, so a
+        live view can read it while copies are still running."""
+        with self._lock:
+            return {key: (int(c), int(b), float(t)) for key, (c, b, t) in self._totals.items()}
+
     def summary(self) -> Summary:
         """Totals per (kind, source, target) since the last ``clear()``: count, bytes, seconds, GB/s."""
         self.flush()
-        with self._lock:
-            rows = [(k, s, d, int(c), int(b), t) for (k, s, d), (c, b, t) in self._totals.items()]
+        rows = [(k, s, d, c, b, t) for (k, s, d), (c, b, t) in self.totals().items()]
         n = sum(r[3] for r in rows)
         return Summary(
             rows, title=f"mgkit ledger: {n} event(s), {human_bytes(sum(r[4] for r in rows))} moved"

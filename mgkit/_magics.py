@@ -93,13 +93,6 @@ def context_table() -> ContextTable:
     return ContextTable(rows, title=f"context map {cmap}")
 
 
-def _memory_stats(device: jax.Device) -> dict:
-    try:
-        return device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - some backends raise instead of returning None
-        return {}
-
-
 class PeakReport(Table):
     """What a ``%%mgkit_peak`` cell did, per context: the device's peak memory, bytes moved, wall time.
 
@@ -166,7 +159,7 @@ class _Meter:
 
 
 def _peaks(devices: dict[str, jax.Device]) -> dict[str, int | None]:
-    return {short: _memory_stats(d).get("peak_bytes_in_use") for short, d in devices.items()}
+    return {short: _devices.memory_stats(d).get("peak_bytes_in_use") for short, d in devices.items()}
 
 
 def _mapped_devices() -> dict[str, jax.Device]:

@@ -415,13 +415,6 @@ def check_contexts(contexts: Any, where: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
-def _ledger_totals(led: Ledger) -> dict[tuple[str, str, str], tuple[int, int, float]]:
-    """The ledger's running totals per (kind, source, target), read without waiting for events
-    in flight (``summary()`` waits for them, which a refresh must not)."""
-    with led._lock:
-        return {key: (int(c), int(b), float(t)) for key, (c, b, t) in led._totals.items()}
-
-
 def _cell(label: int | None) -> str:
     return "" if label is None else f"In [{label}]"
 
@@ -754,7 +747,7 @@ class TransferView(_Plotted):
         self._matrix = Matrix(names, values)
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
-        totals = _ledger_totals(self._ledger)
+        totals = self._ledger.totals()
         changed = False
         if totals != self._totals:
             self._totals = totals

@@ -234,7 +234,7 @@ def test_peak_reports_device_memory_where_the_device_reports_it(shell, monkeypat
         short = _devices.short_name(device)
         return {"peak_bytes_in_use": stats[short]} if short in stats else {}
 
-    monkeypatch.setattr(_magics, "_memory_stats", memory_stats)
+    monkeypatch.setattr(_devices, "memory_stats", memory_stats)
     mg.use_contexts("dev0->cpu0;dev1->cpu1;dev2->cpu2", verbose=False)
     shell.user_ns["stats"] = stats
     _, out = ok(shell, "%%mgkit_peak\nstats['cpu1'] = 3 * 2**20")
