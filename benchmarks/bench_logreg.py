@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import platform
 import sys
 import time
@@ -72,7 +71,7 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from _stats import TRIM, median, quartiles, trimmed_mean
+from _stats import TRIM, cpu_counts, duration, load_average, median, quartiles, table, trimmed_mean
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -551,23 +550,6 @@ def measure_bandwidth(device) -> tuple[float, str]:
 # -- report -------------------------------------------------------------------------------------
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([fmt(headers), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)])
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
-
-
 def _bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
@@ -605,18 +587,11 @@ def _cold_row(v: Variant) -> list[str]:
     share = max((v.cold - warm) / v.cold, 0.0) if v.cold > 0 else float("nan")
     return [
         f"{v.label}: {v.what}",
-        _duration(v.cold),
-        _duration(warm),
+        duration(v.cold),
+        duration(warm),
         f"{v.cold / warm:.1f}",
         f"{share:.0%}",
     ]
-
-
-def _load() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except (AttributeError, OSError):  # not on Unix
-        return "n/a"
 
 
 def _context_map(args: argparse.Namespace, accelerated: bool) -> mg.ContextMap:
@@ -643,11 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     names = tuple(cmap.names)
     import sklearn
 
-    cpus = os.cpu_count()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = cpus
+    cpus, usable = cpu_counts()
     print(
         f"mgkit {mg.__version__}, jax {jax.__version__}, scikit-learn {sklearn.__version__}, "
         f"numpy {np.__version__}, python {platform.python_version()}, {platform.machine()}"
@@ -662,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.settle:g} s untimed pause before every call (--settle)"
     )
     print()
-    load_before = _load()
+    load_before = load_average()
     mg.ledger().clear()
     bench = Bench(args, names)
     stages = {}
@@ -676,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         row_c = bench.sweep()
         stages["c"] = time.perf_counter()
     elapsed = time.perf_counter() - t_start
-    load_after = _load()
+    load_after = load_average()
     rows = [*rows_a, *rows_b, row_c]
 
     peers: list[Variant] = []
@@ -731,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for r in rows
     ]
-    print(_table(["case", "iterations", "M samples/s", "moved (1st call)", "X size"], tput))
+    print(table(["case", "iterations", "M samples/s", "moved (1st call)", "X size"], tput))
     print(
         "  moved: bytes the ledger recorded for the first call (X, labels, row weights, parameters); "
         "(a2) and (b2) should not move X"
@@ -745,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in [r.mg for r in rows_a] + [rows_a[0].peer] + [r.mg for r in rows_b] + [rows_b[0].peer]:
         cold_rows.append(_cold_row(v))
     cold_rows += [_cold_row(row_c.mg), _cold_row(row_c.peer)]
-    print(_table(["variant", "first call", "warm median", "first/warm", "first-call share"], cold_rows))
+    print(table(["variant", "first call", "warm median", "first/warm", "first-call share"], cold_rows))
     print(
         "  first-call share = (first - warm) / first: the part of a one-off call spent before the "
         "solver runs (the main figures are warm calls)"
@@ -766,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             per_it = median(r.mg.times) / max(r.iterations, 1)
             rate = r.x_bytes * r.passes * r.iterations / median(r.mg.times) / 1e9
             print(
-                f"  {r.case}: {r.iterations:g} iterations, {_duration(per_it)} per iteration, "
+                f"  {r.case}: {r.iterations:g} iterations, {duration(per_it)} per iteration, "
                 f"{r.passes:g} passes over X ({_bytes(r.x_bytes)}) per iteration -> {rate:.1f} GB/s = "
                 f"{rate / (bw * r.devices):.1%} of {bw * r.devices:.0f} GB/s ({r.devices} device(s))"
             )
@@ -800,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         "case", "mgkit s", "sklearn s", "ratio", "paired [q1-q3]", "trim", "goal", "met", "obj gap",
         "tol", "rounds",
     ]  # fmt: skip
-    print(_table(headers, _final_rows(rows)))
+    print(table(headers, _final_rows(rows)))
     print()
     marks = [t_start, *stages.values()]
     spans = zip(stages, marks[:-1], marks[1:], strict=True)

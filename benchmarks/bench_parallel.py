@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _stats import TRIM, median, quartiles, trimmed_mean
+from _stats import TRIM, cpu_counts, duration, load_average, median, quartiles, table, trimmed_mean
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -341,8 +341,8 @@ class Bench:
             )
         self.notes.append(
             f"{case}: with an inline lambda (a new function each call) every call compiles: "
-            f"mgkit {_duration(median(fresh_mg))}, jax.jit {_duration(median(fresh_jx))} per call, "
-            f"vs {_duration(median(mgv.times))} with the function defined once"
+            f"mgkit {duration(median(fresh_mg))}, jax.jit {duration(median(fresh_jx))} per call, "
+            f"vs {duration(median(mgv.times))} with the function defined once"
         )
         _close_case(case, counter, self.checks)
         row = Row(case, mgv, jxv, ("<=", 1.2), rounds)
@@ -492,26 +492,11 @@ def profile_tiny(calls: int, split: NamedSharding, k: int) -> list[str]:
         f"(difference {(wall - wall_jx) * 1e6:+.1f} us)",
         f"  mgkit's own Python (self time of its functions, program call excluded): {self_total * us:.1f} us "
         f"per call; the jitted program call: {program * us:.1f} us per call",
-        _table(["mgkit function", "calls/call", "cumulative us/call", "self us/call"], rows),
+        table(["mgkit function", "calls/call", "cumulative us/call", "self us/call"], rows),
     ]
 
 
 # -- report -------------------------------------------------------------------------------------
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ).rstrip()
-
-    return "\n".join([fmt(headers), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)])
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def _goal_text(row: Row) -> str:
@@ -533,8 +518,8 @@ def _compare_rows(rows: list[Row]) -> list[list[str]]:
         out.append(
             [
                 r.case,
-                _duration(median(r.mg.times)),
-                _duration(median(r.peer.times)),
+                duration(median(r.mg.times)),
+                duration(median(r.peer.times)),
                 ("jax/mgkit " if throughput else "mgkit/jax ") + f"{r.goal_ratio:.3f}",
                 f"{median(paired):.3f} [{q1:.3f}-{q3:.3f}]",
                 f"{(1.0 / trim if throughput else trim):.3f}",
@@ -545,13 +530,6 @@ def _compare_rows(rows: list[Row]) -> list[list[str]]:
             ]
         )
     return out
-
-
-def _load() -> str:
-    try:
-        return f"{os.getloadavg()[0]:.2f}"
-    except (AttributeError, OSError):  # not on Unix
-        return "n/a"
 
 
 def _gflops(flops: float, seconds: list[float]) -> str:
@@ -566,11 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = ";".join(f"{n}->cpu{i}" for i, n in enumerate(names))
     cmap = mg.use_contexts(spec, verbose=False)
     devices = [mg.device_of(n) for n in names]
-    cpus = os.cpu_count()
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = cpus
+    cpus, usable = cpu_counts()
     print(
         f"mgkit {mg.__version__}, jax {jax.__version__}, jaxlib {getattr(jax.lib, '__version__', '?')}, "
         f"numpy {np.__version__}, python {platform.python_version()}, {platform.machine()}"
@@ -580,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"devices: {len(jax.devices())} simulated CPU devices ({', '.join(str(d) for d in jax.devices())})")
     print(f"contexts: {cmap}; ledger on, cleared between cases; budget {args.seconds:g} s of timed loops")
     print()
-    load_before = _load()
+    load_before = load_average()
     mg.ledger().clear()
     bench = Bench(args, names, devices)
 
@@ -595,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     two_d, raw_d, one_d, rounds_d = bench.seed001()
     stages["d"] = time.perf_counter()
     elapsed = time.perf_counter() - t_start
-    load_after = _load()
+    load_after = load_average()
 
     headers = [
         "case", "mgkit", "jax", "ratio (goal's way)", "paired [q1-q3]", "trim", "goal", "met",
@@ -606,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals, jax/mgkit (throughput) for (c); paired = median of per-round ratios; "
         f"trim = ratio of {TRIM:.0%} trimmed means"
     )
-    print(_table(headers, _compare_rows([row_a, row_b, *rows_c])))
+    print(table(headers, _compare_rows([row_a, row_b, *rows_c])))
     print()
     mib = args.rows * args.features * 4 / 2**20
     print(f"(a) {args.rows} x {args.features} float32 host batch ({mib:.0f} MiB), mlp(x) = tanh(x @ W1) @ W2")
@@ -620,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"    mgkit: {row_b.mg.label}; jax: {row_b.peer.label}")
     print(
         f"    mgkit overhead {(median(row_b.mg.times) - median(row_b.peer.times)) * 1e6:+.1f} us per call; "
-        f"reference {ref_b.label}: {_duration(ref)} (mgkit/that {median(row_b.mg.times) / ref:.3f})"
+        f"reference {ref_b.label}: {duration(ref)} (mgkit/that {median(row_b.mg.times) / ref:.3f})"
     )
     print(
         f"    the ledger's watcher needs {flush_b * 1e6:.1f} us per call more after the caller has its "
@@ -632,10 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     jx_c = rows_c[0].peer
     print(f"(c) {n} x {n} float32 sgemm, A split over {args.devices} devices, B replicated, both placed")
     print(
-        _table(
+        table(
             ["variant", "median", "GFLOP/s", "throughput / jax"],
             [
-                [v.label, _duration(median(v.times)), _gflops(flops, v.times),
+                [v.label, duration(median(v.times)), _gflops(flops, v.times),
                  f"{median(jx_c.times) / median(v.times):.3f}"]
                 for v in (rows_c[0].mg, rows_c[1].mg, jx_c, one_c)
             ],
@@ -649,10 +623,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({rounds_d} rounds, {bench.seed_events:.1f} ledger events per run_each call)"
     )
     print(
-        _table(
+        table(
             ["variant", "median", "time / one dot", "GFLOP/s"],
             [
-                [v.label, _duration(median(v.times)), f"{median(v.times) / one:.3f}",
+                [v.label, duration(median(v.times)), f"{median(v.times) / one:.3f}",
                  _gflops(2.0 * m**3 * k, v.times)]
                 for v, k in ((one_d, 1), (two_d, 2), (raw_d, 2))
             ],

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
-from _stats import TRIM, median, quartiles, trimmed_mean
+from _stats import TRIM, duration, median, quartiles, table, trimmed_mean
 
 import mgkit as mg
 
@@ -404,21 +404,6 @@ class Bench:
 # -- report -------------------------------------------------------------------------------------
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = [
-        "  ".join(
-            h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(headers, widths, strict=True))
-        )
-    ]
-    lines.append("  ".join("-" * w for w in widths))
-    for r in rows:
-        lines.append(
-            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        )
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def _rows(results: list[Result], memcpy_gbps: float) -> list[list[str]]:
     rows = []
     for r in results:
@@ -454,10 +439,6 @@ def _rows(results: list[Result], memcpy_gbps: float) -> list[list[str]]:
     return rows
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
-
-
 def _context_map(spec: str | None) -> str:
     if spec:
         return spec
@@ -478,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_transfer: the context map {spec!r} must define dev0 and dev1", file=sys.stderr)
         return 2
     d0, d1 = mg.device_of("dev0"), mg.device_of("dev1")
-    table = mg.devices()
-    names = {row.device: row for row in table}
+    listed = mg.devices()
+    names = {row.device: row for row in listed}
 
     print(
         f"mgkit {mg.__version__}, jax {jax.__version__}, numpy {np.__version__}, "
@@ -507,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         "medians per call; ratio = mgkit median / jax median; paired ratio = median of per-pair "
         f"ratios; trim ratio = {TRIM:.0%} trimmed means"
     )
-    print(_table(headers, _rows(results, memcpy_gbps)))
+    print(table(headers, _rows(results, memcpy_gbps)))
     for r in results:
         if r.note:
             print(f"  {r.case}: {r.note}")
@@ -528,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         caller = c.caller_seconds / max(c.calls, 1)
         print(
             f"  {c.case}: {c.events} event(s) for {c.calls} mgkit call(s): {status}; "
-            f"ledger {_duration(led)}/event, caller {_duration(caller)}/call, "
+            f"ledger {duration(led)}/event, caller {duration(caller)}/call, "
             f"ledger/caller {led / caller if caller > 0 else float('nan'):.2f}"
         )
     print()

@@ -1054,9 +1054,14 @@ def fit_per_device(
         else:
             fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
         fits = _progress.wait(fits, run, opts.progress)
-        unique = list({id(f): f for f, _ in fits}.values())
-        rows = [(next(j for j, u in enumerate(unique) if u is f), m) for f, m in fits]
-        _conclude(run, unique, rows, list(targets.names), range(len(fits)), where, specs[0].solver)
+        unique: dict[int, Fit] = {}  # the programs' results, each once (stacked fits are shared)
+        for f, _ in fits:
+            unique.setdefault(id(f), f)
+        order = {key: j for j, key in enumerate(unique)}
+        rows = [(order[id(f)], m) for f, m in fits]
+        _conclude(
+            run, list(unique.values()), rows, list(targets.names), range(len(fits)), where, specs[0].solver
+        )
     finally:
         run.close()
     return {
