@@ -585,6 +585,10 @@ def place_spmd(
             and isinstance(value, jax.Array)
             and value.sharding.is_equivalent_to(sharding, value.ndim)
         ):
+            if not staged and value.sharding != sharding:
+                # The same buffers under another mesh (jax.make_mesh's Explicit axes would
+                # leak into the program): relabel them, which copies nothing.
+                out[i] = jax.device_put(value, sharding)
             continue
         moving.append(i)
         shardings.append(sharding)

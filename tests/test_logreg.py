@@ -12,6 +12,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
 import mgkit as mg
+from mgkit import _logreg
 
 lr = mg.logreg
 
@@ -209,8 +210,6 @@ def test_per_device_equals_fitting_each_alone_on_shared_devices(small):
 
 @pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
 def test_contexts_sharing_a_device_fit_in_one_program(small, solver, monkeypatch):
-    from mgkit import _logreg
-
     calls = []
     stacked = _logreg._stacked_program
     monkeypatch.setattr(_logreg, "_stacked_program", lambda spec: calls.append(spec) or stacked(spec))
@@ -341,6 +340,17 @@ def test_convergence_failures_warn_with_the_gradient(small):
         lr.fit(X, y, l2=0.01, contexts=1)
 
 
+def test_large_finite_features_whose_sum_overflows_are_not_taken_for_inf():
+    big = np.full((4, 2), 3e38, np.float32)  # the float32 sum overflows; every value is finite
+    _logreg._check_finite([big, mg.put(big, "dev0")], ["X", "X placed"], "test")
+    bad = big.copy()
+    bad[2, 1] = -np.inf
+    with pytest.raises(
+        ValueError, match=r"X placed has 1 NaN or infinite value\(s\), the first at row 2, column 1"
+    ):
+        _logreg._check_finite([big, mg.put(bad, "dev0")], ["X", "X placed"], "test")
+
+
 # -- bad input -----------------------------------------------------------------------------
 
 _X = np.random.default_rng(0).standard_normal((20, 3))
@@ -361,6 +371,11 @@ _nan[3, 1] = np.nan
             r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1 \(value nan\)",
         ),
         (lambda: lr.fit(np.full((2, 2), np.inf), [0, 1]), ValueError, "first at row 0, column 0"),
+        (
+            lambda: lr.fit(mg.put(_nan.astype(np.float32), "dev1"), _Y),
+            ValueError,
+            r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1",
+        ),
         (lambda: lr.fit(_X, np.zeros(20)), ValueError, "single class .*needs at least two classes"),
         (
             lambda: lr.fit(_X, np.array([1, "a"] * 10, dtype=object)),

@@ -145,6 +145,21 @@ def test_inputs_with_the_right_sharding_are_not_moved_again():
     np.testing.assert_array_equal(np.asarray(out), 2.0)
 
 
+@pytest.mark.parametrize("axis", ["rows", "x"])
+def test_inputs_sharded_on_a_make_mesh_mesh_are_taken_without_a_copy(axis):
+    # jax.make_mesh gives Explicit axis types: its axis name must not leak into mgkit's program
+    mesh = jax.make_mesh((N,), (axis,), devices=tuple(mg.context_map().devices().values()))
+    x = jax.device_put(np.arange(16 * 3, dtype=np.float32).reshape(16, 3), NamedSharding(mesh, P(axis)))
+    mg.ledger().clear()
+    out = mg.make_parallel(lambda x: x + 1, x=x)
+    assert mg.ledger().records("split") == []
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) + 1)
+    rows = np.arange(16) % 2
+    m = mg.logreg.fit(x, rows, l2=0.1)
+    moved = mg.ledger().records("split")  # the labels and row weights, from the host; X stays
+    assert m.w.shape == (3,) and {e.src for e in moved} == {"host"} and sum(e.nbytes for e in moved) == 16 * 8
+
+
 def test_uneven_spmd_batch_is_gathered_on_the_first_context():
     out = mg.make_parallel(lambda x: x + 1, x=np.zeros(13, np.float32))
     assert mg.where(out) == "dev0" and out.shape == (13,)
