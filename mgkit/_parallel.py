@@ -36,7 +36,7 @@ from . import _contexts, _devices
 from ._contexts import ContextMap
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
-from ._transfer import concrete, explain_incompatible, leaves_of, place, target, to_devices
+from ._transfer import concrete, explain_incompatible, leaves_of, place, target
 
 AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
 _REDUCE_HINT = (
@@ -562,10 +562,9 @@ def place_spmd(
     equal parts when the sizes differ), shared leaves on every device.
 
     Device arrays are moved here, and recorded; host arrays are left for the program's call to
-    copy straight to every device (faster than a separate put), except on CPU devices, where
-    each part goes through a private aligned copy (``to_devices``: faster, and never the
-    caller's memory). Their events are returned so the caller records them when the program's
-    outputs are ready. Leaves already laid out are not moved.
+    copy straight to every device (faster than a separate put), and their events are returned
+    so the caller records them when the program's outputs are ready. Leaves already laid out
+    are not moved.
     """
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
@@ -579,10 +578,6 @@ def place_spmd(
         if isinstance(value, _HOST_TYPES):
             if not staged:
                 host_moves.append((value, ax))
-                if isinstance(value, np.ndarray) and all(d.platform == "cpu" for d in targets.devices):
-                    out[i] = _host_parts(
-                        out[i], targets.devices, _sharding(targets.devices, axis_name, ax), ax
-                    )
             continue
         sharding = _sharding(targets.devices, axis_name, ax)
         if (
@@ -612,18 +607,6 @@ def place_spmd(
 
 
 _HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
-
-
-def _host_parts(value: np.ndarray, devices: tuple, sharding: NamedSharding, ax: int | None) -> jax.Array:
-    """A host array laid out over CPU devices: part i (all of it when ``ax`` is None) on device i."""
-    value = np.asarray(value)
-    if ax is None:
-        parts = [value] * len(devices)
-    else:
-        size = value.shape[ax] // len(devices)
-        lead = (slice(None),) * ax
-        parts = [value[(*lead, slice(j * size, (j + 1) * size))] for j in range(len(devices))]
-    return jax.make_array_from_single_device_arrays(value.shape, sharding, to_devices(parts, list(devices)))
 
 
 def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:
