@@ -36,7 +36,7 @@ from . import _contexts, _devices
 from ._contexts import ContextMap
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
-from ._transfer import concrete, explain_incompatible, leaves_of, place, target
+from ._transfer import concrete, explain_incompatible, leaves_of, place, private_copy, target
 
 AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
 _REDUCE_HINT = (
@@ -562,9 +562,9 @@ def place_spmd(
     equal parts when the sizes differ), shared leaves on every device.
 
     Device arrays are moved here, and recorded; host arrays are left for the program's call to
-    copy straight to every device (faster than a separate put), and their events are returned
-    so the caller records them when the program's outputs are ready. Leaves already laid out
-    are not moved.
+    copy straight to every device (faster than a separate put), except large parts bound for
+    CPU devices (``_stage_on_cpu``); their events are returned so the caller records them when
+    the program's outputs are ready. Leaves already laid out are not moved.
     """
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
@@ -578,6 +578,8 @@ def place_spmd(
         if isinstance(value, _HOST_TYPES):
             if not staged:
                 host_moves.append((value, ax))
+                if _stage_on_cpu(out[i], targets.devices, ax):
+                    out[i] = jax.device_put(private_copy(out[i]), _sharding(targets.devices, axis_name, ax))
             continue
         sharding = _sharding(targets.devices, axis_name, ax)
         if (
@@ -607,6 +609,18 @@ def place_spmd(
 
 
 _HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
+_STAGE_BYTES = 16 << 20  # per device: from here a private aligned copy beats the CPU client's own
+
+
+def _stage_on_cpu(value: Any, devices: tuple, ax: int | None) -> bool:
+    """Whether a host array bound for CPU devices should go through ``private_copy``, which
+    the CPU client then shares instead of copying. Measured on 40 MB over 1, 2, 4 and 8
+    devices: 6-7 ms that way against 28, 13, 3.4 and 3.3 ms for the client's copies, which are
+    fast for parts up to about 10 MB and slow above."""
+    if not isinstance(value, np.ndarray) or any(d.platform != "cpu" for d in devices):
+        return False
+    part = value.nbytes // (1 if ax is None else len(devices))
+    return part >= _STAGE_BYTES and value.dtype == jax.dtypes.canonicalize_dtype(value.dtype)
 
 
 def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:

@@ -97,7 +97,7 @@ def concrete(leaf: Any) -> Any:
 _ALIGN = 64  # XLA's CPU client uses a host buffer aligned to this as it is, without a copy
 
 
-def _private_copy(value: np.ndarray) -> np.ndarray:
+def private_copy(value: np.ndarray) -> np.ndarray:
     """A fresh copy of a host array in memory aligned to ``_ALIGN`` bytes."""
     buf = np.empty(value.nbytes + _ALIGN, np.uint8)
     start = (-buf.ctypes.data) % _ALIGN
@@ -123,7 +123,7 @@ def to_devices(values: list, devices: list[jax.Device]) -> list[jax.Array]:
     never the caller's own memory (``device_put`` shares an aligned array's buffer, so a
     later change to the numpy array would show through the device array).
     """
-    staged = [_private_copy(v) if _staged(v, d) else v for v, d in zip(values, devices, strict=True)]
+    staged = [private_copy(v) if _staged(v, d) else v for v, d in zip(values, devices, strict=True)]
     return jax.device_put(staged, list(devices))
 
 

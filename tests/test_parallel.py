@@ -160,6 +160,23 @@ def test_inputs_sharded_on_a_make_mesh_mesh_are_taken_without_a_copy(axis):
     assert m.w.shape == (3,) and {e.src for e in moved} == {"host"} and sum(e.nbytes for e in moved) == 16 * 8
 
 
+@pytest.mark.parametrize("contexts", ["solo->cpu3", "a->cpu1;b->cpu2"])
+def test_large_host_inputs_for_cpu_devices_go_through_a_private_copy(contexts, monkeypatch):
+    mg.use_contexts(contexts, verbose=False)
+    staged = []
+    copy = _parallel.private_copy
+    monkeypatch.setattr(_parallel, "private_copy", lambda v: staged.append(v.nbytes) or copy(v))
+    x = np.arange(4352 * 1024 * 2, dtype=np.float32).reshape(-1, 1024)  # 34 MiB: parts of 17 or 34
+    out = mg.make_parallel(lambda v: v + 1, v=x)
+    np.testing.assert_array_equal(np.asarray(out), x + 1)
+    assert staged == [x.nbytes]
+    moved = mg.ledger().records("split")
+    assert sum(e.nbytes for e in moved) == x.nbytes and {e.src for e in moved} == {"host"}
+    staged.clear()
+    mg.make_parallel(lambda v: v + 1, v=x[:64])  # small parts: the program's call copies them
+    assert staged == []
+
+
 def test_uneven_spmd_batch_is_gathered_on_the_first_context():
     out = mg.make_parallel(lambda x: x + 1, x=np.zeros(13, np.float32))
     assert mg.where(out) == "dev0" and out.shape == (13,)
