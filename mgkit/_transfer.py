@@ -106,10 +106,12 @@ def private_copy(value: np.ndarray) -> np.ndarray:
     return out
 
 
-def _staged(value: Any, device: jax.Device) -> bool:
+def stageable(value: Any, devices: Any) -> bool:
+    """Whether a value is a host array that CPU devices can take through ``private_copy``
+    (its dtype is one JAX keeps as it is, so no conversion copies it anyway)."""
     return (
-        device.platform == "cpu"
-        and isinstance(value, np.ndarray)
+        isinstance(value, np.ndarray)
+        and all(d.platform == "cpu" for d in devices)
         and value.dtype == jax.dtypes.canonicalize_dtype(value.dtype)
     )
 
@@ -123,7 +125,7 @@ def to_devices(values: list, devices: list[jax.Device]) -> list[jax.Array]:
     never the caller's own memory (``device_put`` shares an aligned array's buffer, so a
     later change to the numpy array would show through the device array).
     """
-    staged = [private_copy(v) if _staged(v, d) else v for v, d in zip(values, devices, strict=True)]
+    staged = [private_copy(v) if stageable(v, (d,)) else v for v, d in zip(values, devices, strict=True)]
     return jax.device_put(staged, list(devices))
 
 
