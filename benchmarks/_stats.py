@@ -59,3 +59,17 @@ def cpu_counts() -> tuple[int | None, int | None]:
         return cpus, len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return cpus, cpus
+
+
+def stage_report(
+    stages: dict, t_start: float, elapsed: float, included: str, load_before: str, load_after: str
+) -> str:
+    """Two lines: how long each case took (``stages``: case -> perf_counter at its end), and the
+    load average before and after."""
+    marks = [t_start, *stages.values()]
+    spans = zip(stages, marks[:-1], marks[1:], strict=True)
+    per_case = ", ".join(f"({k}) {b - a:.1f} s" for k, a, b in spans)
+    return (
+        f"cases took {elapsed:.1f} s ({per_case}, {included})\n"
+        f"load average (1 min): {load_before} before the cases, {load_after} after"
+    )

@@ -71,7 +71,17 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from _stats import TRIM, cpu_counts, duration, load_average, median, quartiles, table, trimmed_mean
+from _stats import (
+    TRIM,
+    cpu_counts,
+    duration,
+    load_average,
+    median,
+    quartiles,
+    stage_report,
+    table,
+    trimmed_mean,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -773,11 +783,11 @@ def main(argv: list[str] | None = None) -> int:
     ]  # fmt: skip
     print(table(headers, _final_rows(rows)))
     print()
-    marks = [t_start, *stages.values()]
-    spans = zip(stages, marks[:-1], marks[1:], strict=True)
-    per_case = ", ".join(f"({k}) {b - a:.1f} s" for k, a, b in spans)
-    print(f"cases took {elapsed:.1f} s ({per_case}, first calls and objective checks included)")
-    print(f"load average (1 min): {load_before} before the cases, {load_after} after")
+    print(
+        stage_report(
+            stages, t_start, elapsed, "first calls and objective checks included", load_before, load_after
+        )
+    )
     return 0
 
 

@@ -52,7 +52,17 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _stats import TRIM, cpu_counts, duration, load_average, median, quartiles, table, trimmed_mean
+from _stats import (
+    TRIM,
+    cpu_counts,
+    duration,
+    load_average,
+    median,
+    quartiles,
+    stage_report,
+    table,
+    trimmed_mean,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -668,11 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         print("\n".join(profile_tiny(args.profile, bench.split, args.devices)))
         print()
-    marks = [t_start, *stages.values()]
-    spans = zip(stages, marks[:-1], marks[1:], strict=True)
-    per_case = ", ".join(f"({k}) {b - a:.1f} s" for k, a, b in spans)
-    print(f"cases took {elapsed:.1f} s ({per_case}, warm-ups and checks included)")
-    print(f"load average (1 min): {load_before} before the cases, {load_after} after")
+    print(stage_report(stages, t_start, elapsed, "warm-ups and checks included", load_before, load_after))
     return 0
 
 

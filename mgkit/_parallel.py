@@ -563,8 +563,9 @@ def place_spmd(
 
     Device arrays are moved here, and recorded; host arrays are left for the program's call to
     copy straight to every device (faster than a separate put), except those bound for CPU
-    devices (``_stage_on_cpu``); their events are returned so the caller records them when
-    the program's outputs are ready. Leaves already laid out are not moved.
+    devices, which go through a private copy (``stageable``); their events are returned so
+    the caller records them when the program's outputs are ready. Leaves already laid out are
+    not moved.
     """
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
@@ -578,7 +579,9 @@ def place_spmd(
         if isinstance(value, _HOST_TYPES):
             if not staged:
                 host_moves.append((value, ax))
-                if _stage_on_cpu(out[i], targets.devices):
+                # A part handed to the program's call keeps the caller's buffer when it
+                # happens to be aligned, and an output passing it through would share it.
+                if stageable(out[i], targets.devices):
                     out[i] = jax.device_put(private_copy(out[i]), _sharding(targets.devices, axis_name, ax))
             continue
         sharding = _sharding(targets.devices, axis_name, ax)
@@ -609,14 +612,6 @@ def place_spmd(
 
 
 _HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
-
-
-def _stage_on_cpu(value: Any, devices: tuple) -> bool:
-    """Whether a host array bound for CPU devices goes through ``private_copy`` first. Always:
-    handed to the program's call, a part whose buffer happens to be aligned is used as it is,
-    and an output that passes it through then shares the caller's memory (seen with an
-    identity function under make_parallel)."""
-    return stageable(value, devices)
 
 
 def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:
