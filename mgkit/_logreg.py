@@ -294,50 +294,59 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     """
     n, d = X.shape[-2:]
     M, c = b0.shape
+    K = M * c
     dtype = W0.dtype
     X = X.astype(dtype)
-    ym = y if spec.stacked else y[:, None]  # (n, M or 1)
+    # Rows run along the last axis of every per-row array (scores (M, c, n), labels and weights
+    # (M or 1, n)): XLA's CPU backend reduces and maps a contiguous row axis several times
+    # faster than a strided one (mean log-loss over 100k rows: 0.34 ms against 1.3 ms).
+    ym = y.T if spec.stacked else y[None, :]  # (M or 1, n)
     yf = ym.astype(dtype)
     eps = float(jnp.finfo(dtype).eps)
 
     def red(v):
         return jax.tree_util.tree_map(lambda a: jax.lax.psum(a, AXIS), v) if spec.reduce else v
 
-    N = jnp.broadcast_to(red(omega.sum(0)), (M,))
-    wn = omega / N  # each row's weight in the mean
+    omega = omega.T.astype(dtype)  # (M or 1, n)
+    N = jnp.broadcast_to(red(omega.sum(-1)), (M,))
+    wn = omega / N[:, None]  # each row's weight in the mean, (M, n)
 
     def scores(W, b):
         if spec.stacked:
-            return jnp.einsum("mnd,dmc->nmc", X, W, precision=_HI) + b
-        return (jnp.dot(X, W.reshape(d, M * c), precision=_HI)).reshape(n, M, c) + b
+            Z = jnp.einsum("mnd,dmc->mcn", X, W, precision=_HI)
+        elif K == 1:  # (1, d) x (d, n): a matrix-vector product written straight into a row
+            Z = jnp.dot(W.reshape(d, K).T, X.T, precision=_HI)
+        else:
+            Z = jnp.dot(X, W.reshape(d, K), precision=_HI).T
+        return Z.reshape(M, c, n) + b[..., None]
 
     def value(Z, W):
         if c == 1:
-            z = Z[..., 0]
+            z = Z[:, 0]
             rows = jax.nn.softplus(z) - yf * z
         else:
-            picked = jnp.take_along_axis(Z, ym[:, :, None], axis=-1)[..., 0]
-            rows = jax.nn.logsumexp(Z, axis=-1) - picked
-        return red(jnp.sum(wn * rows, axis=0)) + l2 * jnp.sum(W * W, axis=(0, 2))
+            picked = jnp.take_along_axis(Z, ym[:, None, :], axis=1)[:, 0]
+            rows = jax.nn.logsumexp(Z, axis=1) - picked
+        return red(jnp.sum(wn * rows, axis=-1)) + l2 * jnp.sum(W * W, axis=(0, 2))
 
     def probs(Z):
-        return jax.nn.sigmoid(Z) if c == 1 else jax.nn.softmax(Z, axis=-1)
+        return jax.nn.sigmoid(Z) if c == 1 else jax.nn.softmax(Z, axis=1)
 
     def residual(Z):
-        target = yf[..., None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype)
-        return (probs(Z) - target) * wn[..., None]
+        target = yf[:, None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype, axis=1)
+        return (probs(Z) - target) * wn[:, None]
 
     def grad(Z, W):
+        R = residual(Z)
         if spec.stacked:
-            gW = jnp.einsum("mnd,nmc->dmc", X, residual(Z), precision=_HI)
-            gW, gb = red((gW, residual(Z).sum(0)))
-            return flat(gW + 2 * l2[None, :, None] * W, gb)
-        R = residual(Z).reshape(n, M * c)
-        if spec.fused and M * c <= 4:  # one fused pass per column beats XLA's CPU X.T @ R
-            gW = jnp.stack([jnp.sum(X * R[:, j : j + 1], axis=0) for j in range(M * c)], axis=1)
+            gW = jnp.einsum("mnd,mcn->dmc", X, R, precision=_HI)
         else:
-            gW = jnp.dot(X.T, R, precision=_HI)
-        gW, gb = red((gW.reshape(d, M, c), R.reshape(n, M, c).sum(0)))
+            if spec.fused and K == 1:  # one fused multiply-sum beats XLA's CPU vector x matrix
+                gW = jnp.sum(X * R.reshape(n, 1), axis=0)
+            else:
+                gW = jnp.dot(R.reshape(K, n), X, precision=_HI)
+            gW = gW.reshape(M, c, d).transpose(2, 0, 1)
+        gW, gb = red((gW, R.sum(-1)))
         return flat(gW + 2 * l2[None, :, None] * W, gb)
 
     def flat(W, b):  # (d, M, c), (M, c) -> (M, p), p = (d + 1) * c; index i * c + a
@@ -351,12 +360,12 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         x = "mn" if spec.stacked else "n"  # the row axes of Xa
         Pr = probs(Z)
         if c == 1:
-            s = (Pr * (1 - Pr))[..., 0] * wn
-            H = jnp.einsum(f"{x}i,nm,{x}j->mij", Xa, s, Xa, precision=_HI)
+            s = (Pr * (1 - Pr))[:, 0] * wn
+            H = jnp.einsum(f"{x}i,mn,{x}j->mij", Xa, s, Xa, precision=_HI)
         else:
-            wp = Pr * wn[..., None]
-            H1 = jnp.einsum(f"{x}i,nma,{x}j->miaj", Xa, wp, Xa, precision=_HI)
-            H2 = jnp.einsum(f"{x}i,nma,{x}j,nmb->miajb", Xa, wp, Xa, Pr, precision=_HI)
+            wp = Pr * wn[:, None]
+            H1 = jnp.einsum(f"{x}i,man,{x}j->miaj", Xa, wp, Xa, precision=_HI)
+            H2 = jnp.einsum(f"{x}i,man,{x}j,mbn->miajb", Xa, wp, Xa, Pr, precision=_HI)
             H = H1[..., None] * jnp.eye(c, dtype=dtype)[None, None, :, None, :] - H2
             H = H.reshape(M, (d + 1) * c, (d + 1) * c)
         return red(H)
@@ -421,7 +430,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
 
         def trial(t):
             W = st.W + t[None, :, None] * dW
-            f = value(st.Z + t[None, :, None] * D, W)
+            f = value(st.Z + t[:, None, None] * D, W)
             return f, (f <= st.f + _ARMIJO * t * slope + slack) & jnp.isfinite(f)
 
         t = jnp.ones((M,), dtype)
@@ -441,7 +450,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         t = jnp.where(ok & active, t, 0.0)
         W = st.W + t[None, :, None] * dW
         b = st.b + t[:, None] * db
-        Z = st.Z + t[None, :, None] * D
+        Z = st.Z + t[:, None, None] * D
         f = jnp.where(ok & active, f_t, st.f)
         g = grad(Z, W)
         gmax = jnp.max(jnp.abs(g), axis=1)
@@ -498,7 +507,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         # A line search that can no longer lower the objective has met float rounding: accept
         # the gradient if it is within rounding of the terms it sums (bounded per column).
         def floor():
-            R = jnp.abs(residual(st.Z)).sum(axis=(0, 2))
+            R = jnp.abs(residual(st.Z)).sum(axis=(1, 2))
             col = jnp.max(jnp.abs(X), axis=-2)  # per feature (and model, when stacked)
             col = jax.lax.pmax(col, AXIS) if spec.reduce else col
             terms = red(R) * jnp.maximum(jnp.max(col, axis=-1), 1.0) + 2 * l2 * jnp.max(
