@@ -52,6 +52,7 @@ _NEWTON_MAX_PARAMS_ACCEL = 256
 _MEMORY = 10  # L-BFGS correction pairs
 _ARMIJO = 1e-4
 _BACKTRACKS = 30
+_LINE_NEWTON = 2  # Newton steps on the step length per iteration
 
 
 class ConvergenceWarning(UserWarning):
@@ -349,6 +350,17 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         gW, gb = red((gW, R.sum(-1)))
         return flat(gW + 2 * l2[None, :, None] * W, gb)
 
+    def line(Zt, D):
+        """The data term's slope and curvature, (M,) each, along scores moving as Zt + t * D."""
+        Pr = probs(Zt)
+        R = (Pr - (yf[:, None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype, axis=1))) * D
+        if c == 1:
+            curve = Pr * (1 - Pr) * D * D
+        else:
+            PD = Pr * D
+            curve = PD * D - PD * jnp.sum(PD, axis=1, keepdims=True)
+        return red((jnp.sum(wn * R.sum(1), axis=-1), jnp.sum(wn * curve.sum(1), axis=-1)))
+
     def flat(W, b):  # (d, M, c), (M, c) -> (M, p), p = (d + 1) * c; index i * c + a
         return jnp.concatenate([W.transpose(1, 0, 2).reshape(M, d * c), b], axis=1)
 
@@ -392,7 +404,8 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
             q = q - a[:, None] * st.Y[:, i]
             alphas.append(a)
         sy, yy = jnp.sum(st.S[:, 0] * st.Y[:, 0], axis=1), jnp.sum(st.Y[:, 0] ** 2, axis=1)
-        first = 1.0 / jnp.maximum(1.0, jnp.sqrt(jnp.sum(st.g**2, axis=1)))
+        gnorm = jnp.sqrt(jnp.sum(st.g**2, axis=1))
+        first = 1.0 / jnp.where(gnorm > 0, gnorm, 1.0)  # a first step of unit length
         gamma = jnp.where(st.rho[:, 0] > 0, sy / jnp.where(yy > 0, yy, 1.0), first)
         r = gamma[:, None] * q
         for i in reversed(range(_MEMORY)):
@@ -433,7 +446,16 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
             f = value(st.Z + t[:, None, None] * D, W)
             return f, (f <= st.f + _ARMIJO * t * slope + slack) & jnp.isfinite(f)
 
+        # The step length: Newton's method on the objective along the step. The scores move
+        # along the line as Z + t * D, so each of its slope and curvature evaluations is one
+        # pass over the per-row arrays, never over X; Armijo backtracking then guards the result.
+        pW, pp = jnp.sum(st.W * dW, axis=(0, 2)), jnp.sum(dW * dW, axis=(0, 2))
         t = jnp.ones((M,), dtype)
+        for _ in range(_LINE_NEWTON):
+            d1, d2 = line(st.Z + t[:, None, None] * D, D)
+            d1, d2 = d1 + 2 * l2 * (pW + t * pp), d2 + 2 * l2 * pp
+            t_new = jnp.clip(t - d1 / jnp.where(d2 > 0, d2, 1.0), t / 16, t * 16)
+            t = jnp.where((d2 > 0) & jnp.isfinite(t_new), t_new, t)
         f_t, ok = trial(t)
         ok = ok | ~active
 
