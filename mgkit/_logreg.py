@@ -491,9 +491,15 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         its = st.its + active.astype(st.its.dtype)
         return _Carry(st.it + 1, its, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, S, Y, rho)
 
-    Z0 = scores(W0, b0)
+    # From zeros (the default start) the first scores are the intercepts: no pass over X.
+    Z0 = jax.lax.cond(
+        jnp.any(W0 != 0), lambda: scores(W0, b0), lambda: jnp.broadcast_to(b0[..., None], (M, c, n))
+    )
     f0, g0 = value(Z0, W0), grad(Z0, W0)
     gmax0 = jnp.max(jnp.abs(g0), axis=1)
+    # The first gradient reads every value of X, each times a finite weight: a NaN or inf in X
+    # makes it non-finite, and the fit stops at once (the host then names the bad value).
+    finite0 = jnp.isfinite(gmax0)
     mem = _MEMORY if spec.solver == "lbfgs" else 0
     hist0 = jnp.full((M, spec.max_iter + 1), jnp.nan, dtype)
     start = _Carry(
@@ -505,7 +511,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         f0,
         g0,
         gmax0,
-        gmax0 <= tol if spec.solver != "gd" else jnp.zeros((M,), bool),
+        (gmax0 <= tol) | ~finite0 if spec.solver != "gd" else jnp.zeros((M,), bool),
         jnp.zeros((M,), bool),
         hist0.at[:, 0].set(f0) if spec.solver != "gd" else hist0,
         jnp.zeros((M, mem, p), dtype),
@@ -513,7 +519,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         jnp.zeros((M, mem), dtype),
     )
     if spec.solver == "gd":
-        st = jax.lax.while_loop(lambda s: s.it < spec.max_iter, gd_step, start)
+        st = jax.lax.while_loop(lambda s: (s.it < spec.max_iter) & jnp.all(finite0), gd_step, start)
     else:
         st = jax.lax.while_loop(lambda s: (s.it < spec.max_iter) & ~jnp.all(s.done), search_step, start)
 
@@ -606,9 +612,9 @@ def _dtype() -> Any:
     return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
 
-def _check_X(X: Any, where: str, name: str = "X", finite: bool = True) -> Any:
-    """A 2-D, real array (numpy on the host, or a jax.Array where it is), checked finite unless
-    ``finite`` is False (then the caller checks several at once with ``_check_finite``)."""
+def _check_X(X: Any, where: str, name: str = "X") -> Any:
+    """A 2-D, real array (numpy on the host, or a jax.Array where it is). NaN and inf are found
+    by the solver, whose first gradient reads every value (see ``_conclude``)."""
     if isinstance(X, jax.Array):
         arr = X
     else:
@@ -634,8 +640,6 @@ def _check_X(X: Any, where: str, name: str = "X", finite: bool = True) -> Any:
             f"{where}: {name} is empty (shape {tuple(arr.shape)}); fitting needs at least one sample "
             "and one feature"
         )
-    if finite:
-        _check_finite([arr], [name], where)
     if isinstance(arr, np.ndarray):
         arr = arr.astype(_dtype(), copy=False)
     elif arr.dtype != _dtype():
@@ -691,7 +695,7 @@ def _encode(y: Any, n: int, where: str, name: str = "y") -> tuple[np.ndarray, np
     if y.dtype.kind == "f" and not np.isfinite(y).all():
         raise ValueError(f"{where}: {name} contains NaN or infinite labels; every row needs a label")
     try:
-        classes, index = np.unique(y, return_inverse=True)
+        classes, index = _distinct(y)
     except TypeError as e:
         kinds = sorted({type(v).__name__ for v in y.ravel().tolist()})
         raise TypeError(
@@ -704,6 +708,19 @@ def _encode(y: Any, n: int, where: str, name: str = "y") -> tuple[np.ndarray, np
             "needs at least two classes"
         )
     return index.astype(np.int32), classes
+
+
+def _distinct(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(y, return_inverse=True)``; integer labels in a small range are counted
+    instead of sorted (100k labels: 0.2 ms against 0.9 ms)."""
+    if y.dtype.kind in "iub" and y.size:
+        lo, hi = int(y.min()), int(y.max())
+        if hi - lo < 4 * y.size + 1024 and lo > -(2**62) and hi < 2**62:
+            offset = y.astype(np.int64) - lo
+            present = np.bincount(offset, minlength=hi - lo + 1) > 0
+            rank = (np.cumsum(present) - 1).astype(np.int32)
+            return (np.flatnonzero(present) + lo).astype(y.dtype), np.take(rank, offset)
+    return np.unique(y, return_inverse=True)
 
 
 def _check_l2(value: Any, where: str, name: str = "l2") -> float:
@@ -808,15 +825,21 @@ def _pieces(fit: Fit, part: int | tuple, c: int) -> tuple:
     return w, b, fit.hist[i], fit.its[i], fit.conv[i], fit.gmax[i]
 
 
-def _conclude(run: _progress.Run, fits: list, rows: list[tuple[int, int]], labels, owners, where, solver):
+def _conclude(
+    run: _progress.Run, fits: list, rows: list[tuple[int, int]], labels, owners, where, solver, data
+):
     """Fetches the fits' facts in one wait, records each context's final step event, and warns
     about the models that stopped short.
 
     ``rows``: (fit, row) of each model in order; ``labels``: how the warning names each model;
-    ``owners``: the context index, or indices, that fitted each model.
+    ``owners``: the context index, or indices, that fitted each model; ``data``: (arrays, names)
+    of the features, checked for NaN and inf when a model's gradient is not finite (the
+    solver's first gradient reads every value, so finite data needs no pass of its own).
     """
     facts = jax.device_get([(f.conv, f.gmax, f.hist, f.its) for f in fits])
     conv, grad, its = (np.stack([facts[f][k][r] for f, r in rows]) for k in (0, 1, 3))
+    if not np.isfinite(grad).all():
+        _check_finite(*data, where)
     last = np.stack([facts[f][2][r][i] for (f, r), i in zip(rows, its, strict=True)])
     first = np.stack([facts[f][2][r][0] for f, r in rows])
     mine: dict[int, list[int]] = {}
@@ -967,7 +990,7 @@ def fit(
         out = program(*placed, *_scalars(opts, run, dtype))
         _record(host_events, out, t0)
         out = _progress.wait(out, run, opts.progress)
-        _conclude(run, [out], [(0, 0)], [""], [list(range(k))], where, spec.solver)
+        _conclude(run, [out], [(0, 0)], [""], [list(range(k))], where, spec.solver, ([X], ["X"]))
     finally:
         run.close()
     return _model(out, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
@@ -1064,10 +1087,9 @@ def fit_per_device(
                 f"{where}: {source.format(name)} a {type(pair).__name__}; expected a pair (X, y) with X of "
                 "shape (n, d) and y of shape (n,)"
             )
-        X = _check_X(pair[0], where, f"X for context {name!r}", finite=False)
+        X = _check_X(pair[0], where, f"X for context {name!r}")
         y_idx, classes = _encode(pair[1], X.shape[0], where, f"y for context {name!r}")
         parts.append((X, y_idx, classes))
-    _check_finite([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names], where)
     l2s = _private(l2, targets, where, "l2")
     Cs = _private(C, targets, where, "C")
     inits = _private(init, targets, where, "init")
@@ -1099,8 +1121,16 @@ def fit_per_device(
             unique.setdefault(id(f), f)
         order = {key: j for j, key in enumerate(unique)}
         rows = [(order[id(f)], m) for f, m in fits]
+        data = ([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names])
         _conclude(
-            run, list(unique.values()), rows, list(targets.names), range(len(fits)), where, specs[0].solver
+            run,
+            list(unique.values()),
+            rows,
+            list(targets.names),
+            range(len(fits)),
+            where,
+            specs[0].solver,
+            data,
         )
     finally:
         run.close()
@@ -1308,7 +1338,9 @@ def fit_many(
             )
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
         labels = [f"model {j}" for j in range(k_models)]
-        _conclude(run, [out], [(0, j) for j in range(k_models)], labels, owners, where, spec.solver)
+        _conclude(
+            run, [out], [(0, j) for j in range(k_models)], labels, owners, where, spec.solver, ([X], ["X"])
+        )
     finally:
         run.close()
     return _model(out, slice(0, k_models), classes, jnp.asarray(pen[:k_models]), spec.solver, c)

@@ -3,10 +3,13 @@ telemetry, convergence warnings and bad input."""
 
 import warnings
 
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
 from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
@@ -376,6 +379,31 @@ _nan[3, 1] = np.nan
             ValueError,
             r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1",
         ),
+        (
+            lambda: lr.fit(_nan, _Y, solver="gd", max_iter=10**6),  # stops at once, not after 10**6 steps
+            ValueError,
+            r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1",
+        ),
+        (
+            lambda: lr.fit_many(_nan, _Y, rows=[[0, 1, 2, 4], [5, 6, 7, 8]]),  # row 3 in no set: weight 0
+            ValueError,
+            r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1",
+        ),
+        (
+            lambda: lr.fit_many(_nan, _Y, l2=[0.1, 1.0]),
+            ValueError,
+            r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1",
+        ),
+        (
+            lambda: lr.fit_per_device({"dev0": (_X, _Y), "dev1": (_nan, _Y)}),
+            ValueError,
+            r"X for context 'dev1' has 1 NaN or infinite value\(s\), the first at row 3, column 1",
+        ),
+        (
+            lambda: lr.fit(_nan, _Y, init=(np.ones(3), 0.5), sample_weight=np.arange(20) % 3),
+            ValueError,
+            r"X has 1 NaN or infinite value\(s\), the first at row 3, column 1",
+        ),
         (lambda: lr.fit(_X, np.zeros(20)), ValueError, "single class .*needs at least two classes"),
         (
             lambda: lr.fit(_X, np.array([1, "a"] * 10, dtype=object)),
@@ -470,3 +498,23 @@ def test_predict_checks_the_feature_count(small):
         lr.predict_proba(m, X[0])
     with pytest.raises(TypeError, match=r"must be a model from mg\.logreg\.fit"):
         lr.predict((m.w, m.b), X)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hnp.arrays(
+        st.sampled_from([np.int8, np.uint8, np.int32, np.int64, np.uint64, np.bool_]),
+        st.integers(1, 60),
+    )
+)
+def test_label_counting_matches_sorting(y):
+    classes, index = _logreg._distinct(y)
+    want, want_index = np.unique(y, return_inverse=True)
+    assert classes.dtype == want.dtype and classes.tolist() == want.tolist()
+    assert index.tolist() == want_index.tolist()
+
+
+def test_label_counting_keeps_huge_unsigned_labels():
+    y = np.array([2**64 - 1, 2**64 - 2, 2**64 - 1], np.uint64)
+    classes, index = _logreg._distinct(y)
+    assert classes.tolist() == [2**64 - 2, 2**64 - 1] and index.tolist() == [1, 0, 1]
