@@ -1108,11 +1108,7 @@ def fit_per_device(
     )
     try:
         if targets.spmd and same:
-            placed = [
-                place([X, y_idx, np.ones((X.shape[0], 1), dtype)], name, device, "put")
-                for (X, y_idx, _), name, device in zip(parts, targets.names, targets.devices, strict=True)
-            ]
-            fits = _per_device_spmd(placed, starts, penalties, targets, specs[0], opts, run, dtype)
+            fits = _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, run, dtype)
         else:
             fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
         fits = _progress.wait(fits, run, opts.progress)
@@ -1149,26 +1145,32 @@ def _private(value: Any, targets: Targets, where: str, what: str) -> list:
     return _parallel.per_context(value, targets, f"{what}= as a mapping", where)
 
 
-def _per_device_spmd(placed, starts, penalties, targets, spec, opts, run, dtype) -> list[Fit]:
-    """One SPMD program: device i fits model i on the rows already on it (no copies)."""
-    k = len(targets.names)
-    mesh = _parallel.mesh(targets.devices)
-    glob = []
-    for j in range(3):  # X, y, row weights: device i's rows are block i of one global array
-        first = placed[0][j]
-        shape = (k * first.shape[0], *first.shape[1:])
-        sharding = jax.sharding.NamedSharding(mesh, _ROWS)
-        glob.append(jax.make_array_from_single_device_arrays(shape, sharding, [p[j] for p in placed]))
+def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> list[tuple[Fit, int]]:
+    """One SPMD program: device i fits model i on its own rows. Each X is put on its device
+    (one already there stays: no copy) and the blocks form one row-sharded array; the labels,
+    row weights and parameters go to every device in one placement each."""
+    k, n = len(targets.names), parts[0][0].shape[0]
+    Xs = [
+        place([X], name, device, "put")[0]
+        for (X, _, _), name, device in zip(parts, targets.names, targets.devices, strict=True)
+    ]
+    sharding = jax.sharding.NamedSharding(_parallel.mesh(targets.devices), _ROWS)
+    X = jax.make_array_from_single_device_arrays((k * n, Xs[0].shape[1]), sharding, Xs)
     W0 = np.stack([w for w, _ in starts], axis=1).astype(dtype)
     b0 = np.stack([b for _, b in starts]).astype(dtype)
-    batch = Batch(
-        [W0, b0, np.asarray(penalties, dtype)], None, (1, 0, 0), k, _names("init w", "init b", "l2")
+    labels = [np.concatenate([y_idx for _, y_idx, _ in parts]), np.ones((k * n, 1), dtype)]
+    rows, row_events = _parallel.place_spmd(
+        Batch(labels, None, (0, 0), k * n, _names("y", "row weights")), targets, (n,) * k
     )
-    params, host_events = _parallel.place_spmd(batch, targets, (1,) * k)
+    params = [W0, b0, np.asarray(penalties, dtype)]
+    params, host_events = _parallel.place_spmd(
+        Batch(params, None, (1, 0, 0), k, _names("init w", "init b", "l2")), targets, (1,) * k
+    )
     t0 = time.perf_counter()
-    out = _mapped_program(spec, targets.devices, "devices")(*glob, *params, *_scalars(opts, run, dtype))
-    _record(host_events, out, t0)
-    return [(jax.tree_util.tree_map(lambda a, i=i: _shard(a, targets.devices[i]), out), 0) for i in range(k)]
+    out = _mapped_program(spec, targets.devices, "devices")(X, *rows, *params, *_scalars(opts, run, dtype))
+    _record(row_events + host_events, out, t0)
+    blocks = [{s.device: s.data for s in a.addressable_shards} for a in out]  # each array's blocks, once
+    return [(Fit(*(b[device] for b in blocks)), 0) for device in targets.devices]
 
 
 def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype) -> list[tuple[Fit, int]]:
@@ -1196,11 +1198,6 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype
             fit = _stacked_program(spec)(Xs, *rest, tol, lr, run_id, ctxs)
         out = [(fit, members.index(i)) if i in members else o for i, o in enumerate(out)]
     return out
-
-
-def _shard(a: jax.Array, device: jax.Device) -> jax.Array:
-    """The block of a sharded array that lives on ``device`` (no copy)."""
-    return next(s.data for s in a.addressable_shards if s.device == device)
 
 
 # -- fit_many: K models, several per device ------------------------------------------------
