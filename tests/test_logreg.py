@@ -296,16 +296,35 @@ def test_fit_many_ten_classes_several_per_device(digits):
 # -- telemetry -----------------------------------------------------------------------------
 
 
-def test_step_events_per_context(small):
+def test_step_events_per_context(small, monkeypatch):
     X, y = small
+    monkeypatch.setattr(_logreg, "_REPORT_WORK", {"cpu": 1})  # a report interval of one iteration
     lr.fit(X, y, l2=0.01, solver="newton")
     steps = mg.ledger().records("step")
     assert {e.src for e in steps} == {f"dev{i}" for i in range(8)}
     final = [e for e in steps if e.info["final"]]
     assert len(final) == 8 and all(e.info["what"] == "logreg.fit (newton)" for e in steps)
     assert all(e.info["samples_per_second"] > 0 for e in final if e.info["iteration"])
-    # Newton on CPU reports every iteration from inside the loop; the last one comes from the host.
+    # Every iteration is reported from inside the loop; the last one comes from the host.
     assert {e.info["iteration"] for e in steps} == set(range(1, final[0].info["iteration"] + 1))
+
+
+def test_a_fit_shorter_than_the_report_interval_reports_its_last_step_only(small):
+    X, y = small
+    m = lr.fit(X, y, l2=0.01, solver="lbfgs", contexts=2)
+    steps = mg.ledger().records("step")
+    assert sorted((e.src, e.info["iteration"], e.info["final"]) for e in steps) == [
+        (ctx, int(m.info.iterations), True) for ctx in ("dev0", "dev1")
+    ]
+
+
+def test_reports_come_about_a_tenth_of_a_second_of_work_apart():
+    every = _logreg._every
+    assert every("lbfgs", 784, 1, "cpu", 400) == 797  # seed 000: 400 x 785 per iteration
+    assert every("lbfgs", 100, 1, "cpu", 100_000) == 25  # 100k x 101
+    assert every("newton", 30, 1, "cpu", 569) == 458  # a 31 x 31 Hessian per row
+    assert every("lbfgs", 784, 1, "gpu", 400) == 7962  # accelerators: ten times the work
+    assert every("gd", 10**6, 10, "cpu", 10**6) == 1  # never less than one
 
 
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")
