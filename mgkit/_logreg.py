@@ -253,7 +253,7 @@ class Spec(NamedTuple):
     every: int  # iterations between step reports
     reduce: bool  # sum the loss, gradient and Hessian over the mesh axis (data-parallel)
     mapped: bool  # runs under shard_map over AXIS: the context index is the axis index
-    fused: bool  # gradient as fused multiply-sums (XLA's CPU X.T @ R is slow)
+    fused: bool  # one model, X streamed on a CPU: scores as (1, n) and the gradient as a fused multiply-sum
     stacked: bool = False  # model m has its own rows: X (M, n, d), y (n, M)
 
 
@@ -315,7 +315,7 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     def scores(W, b):
         if spec.stacked:
             Z = jnp.einsum("mnd,dmc->mcn", X, W, precision=_HI)
-        elif K == 1:  # (1, d) x (d, n): a matrix-vector product written straight into a row
+        elif K == 1 and spec.fused:  # (1, d) x (d, n): a matrix-vector product written into a row
             Z = jnp.dot(W.reshape(d, K).T, X.T, precision=_HI)
         else:
             Z = jnp.dot(X, W.reshape(d, K), precision=_HI).T
@@ -774,14 +774,34 @@ def _options(solver, max_iter, tol, learning_rate, progress, where) -> _Options:
     )
 
 
-def _spec(opts: _Options, d: int, c: int, platform: str, reduce: bool, mapped: bool, load: int) -> Spec:
-    """The compiled fit's settings; ``load``: rows times models that one device works on."""
+def _spec(
+    opts: _Options,
+    d: int,
+    c: int,
+    platform: str,
+    reduce: bool,
+    mapped: bool,
+    rows: int,
+    models: int,
+    held: int,
+) -> Spec:
+    """The compiled fit's settings, for ``rows`` rows of X and ``models`` models per device and
+    ``held`` rows of X over all the fit's devices."""
     solver = opts.solver
     if solver == "auto":
         limit = _NEWTON_MAX_PARAMS.get(platform, _NEWTON_MAX_PARAMS_ACCEL)
         solver = "newton" if (d + 1) * c <= limit else "lbfgs"
     max_iter = opts.max_iter or _MAX_ITER[solver]
-    return Spec(solver, c, max_iter, _every(solver, d, c, platform, load), reduce, mapped, platform == "cpu")
+    every = _every(solver, d, c, platform, rows * models)
+    # XLA's CPU backend reads an X that is streamed from memory faster with the fused forms
+    # (100k x 100: 0.8 + 1.4 ms a pass against 1.0 + 2.0; the same rows on 8 simulated devices:
+    # 22 ms a fit against 25), one that stays in cache with plain products (400 x 784: 31 + 27
+    # us against 49 + 48). Simulated CPU devices share the host's cache, so all of X counts.
+    fused = platform == "cpu" and held * d * np.dtype(_dtype()).itemsize >= _STREAMED
+    return Spec(solver, c, max_iter, every, reduce, mapped, fused)
+
+
+_STREAMED = 16 << 20  # bytes of X from which a CPU streams it from memory (more than its cache)
 
 
 # Work (row x parameter products) a device gets through in about a tenth of a second: about
@@ -973,7 +993,7 @@ def fit(
         first.setdefault(dv, nm)
     targets = Targets(tuple(first.values()), devices, True)
     k = len(devices)
-    spec = _spec(opts, d, c, devices[0].platform, reduce=True, mapped=True, load=-(-n // k))
+    spec = _spec(opts, d, c, devices[0].platform, True, True, rows=-(-n // k), models=1, held=n)
     sizes = _parallel.shares(n, k)
     dtype = _dtype()
     # Padding rows (uneven splits) repeat a real row; their weight is zeroed below.
@@ -1111,32 +1131,35 @@ def fit_per_device(
     same = len({(X.shape, len(cl)) for X, _, cl in parts}) == 1
     shapes = [(X.shape[1], 1 if len(cl) == 2 else len(cl)) for X, _, cl in parts]
     penalties, starts, specs = [], [], []
+    held = sum(X.shape[0] for X, _, _ in parts)
     for i, ((X, _, _), (d, c)) in enumerate(zip(parts, shapes, strict=True)):
         penalties.append(_penalty(l2s[i], Cs[i], X.shape[0], where))
         starts.append(_init(inits[i], d, c, where))
         specs.append(
-            _spec(
-                opts, d, c, targets.devices[i].platform, False, mapped=targets.spmd and same, load=X.shape[0]
-            )
+            _spec(opts, d, c, targets.devices[i].platform, False, targets.spmd and same, X.shape[0], 1, held)
         )
     run = _run(
         "logreg.fit_per_device", targets, [X.shape[0] for X, _, _ in parts], [1] * len(parts), specs[0]
     )
     try:
         if targets.spmd and same:
-            fits = _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, run, dtype)
+            whole = _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, run, dtype)
+            whole = _progress.wait(whole, run, opts.progress)
+            blocks = [{s.device: s.data for s in a.addressable_shards} for a in whole]  # each once
+            fits = [(Fit(*(b[device] for b in blocks)), 0) for device in targets.devices]
+            unique, rows = [whole], [(0, i) for i in range(len(fits))]  # facts from the whole, at once
         else:
             fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
-        fits = _progress.wait(fits, run, opts.progress)
-        unique: dict[int, Fit] = {}  # the programs' results, each once (stacked fits are shared)
-        for f, _ in fits:
-            unique.setdefault(id(f), f)
-        order = {key: j for j, key in enumerate(unique)}
-        rows = [(order[id(f)], m) for f, m in fits]
+            fits = _progress.wait(fits, run, opts.progress)
+            first: dict[int, Fit] = {}  # the programs' results, each once (stacked fits are shared)
+            for f, _ in fits:
+                first.setdefault(id(f), f)
+            order = {key: j for j, key in enumerate(first)}
+            unique, rows = list(first.values()), [(order[id(f)], m) for f, m in fits]
         data = ([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names])
         _conclude(
             run,
-            list(unique.values()),
+            unique,
             rows,
             list(targets.names),
             range(len(fits)),
@@ -1161,10 +1184,11 @@ def _private(value: Any, targets: Targets, where: str, what: str) -> list:
     return _parallel.per_context(value, targets, f"{what}= as a mapping", where)
 
 
-def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> list[tuple[Fit, int]]:
+def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> Fit:
     """One SPMD program: device i fits model i on its own rows. Each X is put on its device
     (one already there stays: no copy) and the blocks form one row-sharded array; the labels,
-    row weights and parameters go to every device in one placement each."""
+    row weights and parameters go to every device in one placement each. Returns the M
+    models' results, model i's block on device i."""
     k, n = len(targets.names), parts[0][0].shape[0]
     Xs = [
         place([X], name, device, "put")[0]
@@ -1185,8 +1209,7 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) 
     t0 = time.perf_counter()
     out = _mapped_program(spec, targets.devices, "devices")(X, *rows, *params, *_scalars(opts, run, dtype))
     _record(row_events + host_events, out, t0)
-    blocks = [{s.device: s.data for s in a.addressable_shards} for a in out]  # each array's blocks, once
-    return [(Fit(*(b[device] for b in blocks)), 0) for device in targets.devices]
+    return out
 
 
 def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype) -> list[tuple[Fit, int]]:
@@ -1295,12 +1318,12 @@ def fit_many(
     c = 1 if len(classes) == 2 else len(classes)
     used = min(k_models, len(targets.names))
     targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
-    platform, load = targets.devices[0].platform, n * -(-k_models // used)
-    spec = _spec(opts, d, c, platform, reduce=False, mapped=targets.spmd, load=load)
+    platform, per = targets.devices[0].platform, -(-k_models // used)
+    spec = _spec(opts, d, c, platform, False, targets.spmd, rows=n, models=per, held=n * used)
     if opts.solver == "auto" and spec.solver == "newton" and platform == "cpu":
         # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
         # simulated device; L-BFGS needs no factorisation.
-        spec = _spec(opts._replace(solver="lbfgs"), d, c, platform, False, mapped=targets.spmd, load=load)
+        spec = _spec(opts._replace(solver="lbfgs"), d, c, platform, False, targets.spmd, n, per, n * used)
     if targets.spmd:
         per = -(-k_models // used)
         chunks = [per] * used
