@@ -333,8 +333,9 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     def probs(Z):
         return jax.nn.sigmoid(Z) if c == 1 else jax.nn.softmax(Z, axis=1)
 
+    target = yf[:, None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype, axis=1)  # (M or 1, c, n)
+
     def residual(Z):
-        target = yf[:, None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype, axis=1)
         return (probs(Z) - target) * wn[:, None]
 
     def grad(Z, W):
@@ -353,13 +354,12 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
     def line(Zt, D):
         """The data term's slope and curvature, (M,) each, along scores moving as Zt + t * D."""
         Pr = probs(Zt)
-        R = (Pr - (yf[:, None] if c == 1 else jax.nn.one_hot(ym, c, dtype=dtype, axis=1))) * D
         if c == 1:
             curve = Pr * (1 - Pr) * D * D
         else:
             PD = Pr * D
             curve = PD * D - PD * jnp.sum(PD, axis=1, keepdims=True)
-        return red((jnp.sum(wn * R.sum(1), axis=-1), jnp.sum(wn * curve.sum(1), axis=-1)))
+        return red((jnp.sum(residual(Zt) * D, axis=(1, 2)), jnp.sum(wn * curve.sum(1), axis=-1)))
 
     def flat(W, b):  # (d, M, c), (M, c) -> (M, p), p = (d + 1) * c; index i * c + a
         return jnp.concatenate([W.transpose(1, 0, 2).reshape(M, d * c), b], axis=1)
