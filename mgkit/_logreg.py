@@ -24,6 +24,7 @@ one program (eight contexts on one GPU cost about one fit).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -1132,11 +1133,22 @@ def fit_per_device(
     shapes = [(X.shape[1], 1 if len(cl) == 2 else len(cl)) for X, _, cl in parts]
     penalties, starts, specs = [], [], []
     held = sum(X.shape[0] for X, _, _ in parts)
+    sharing = collections.Counter(targets.devices)  # contexts on one device are fitted together
     for i, ((X, _, _), (d, c)) in enumerate(zip(parts, shapes, strict=True)):
         penalties.append(_penalty(l2s[i], Cs[i], X.shape[0], where))
         starts.append(_init(inits[i], d, c, where))
         specs.append(
-            _spec(opts, d, c, targets.devices[i].platform, False, targets.spmd and same, X.shape[0], 1, held)
+            _spec(
+                opts,
+                d,
+                c,
+                targets.devices[i].platform,
+                False,
+                targets.spmd and same,
+                X.shape[0],
+                sharing[targets.devices[i]],
+                held,
+            )
         )
     run = _run(
         "logreg.fit_per_device", targets, [X.shape[0] for X, _, _ in parts], [1] * len(parts), specs[0]
@@ -1324,11 +1336,7 @@ def fit_many(
         # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
         # simulated device; L-BFGS needs no factorisation.
         spec = _spec(opts._replace(solver="lbfgs"), d, c, platform, False, targets.spmd, n, per, n * used)
-    if targets.spmd:
-        per = -(-k_models // used)
-        chunks = [per] * used
-    else:
-        chunks = list(_parallel.shares(k_models, used))
+    chunks = [per] * used if targets.spmd else list(_parallel.shares(k_models, used))
     padded = sum(chunks)
     order = list(range(k_models)) + [k_models - 1] * (padded - k_models)  # repeats the last model
     pen = np.asarray([penalties[i] for i in order], dtype)

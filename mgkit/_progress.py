@@ -1,11 +1,12 @@
 """Long-running steps: step events from inside compiled loops, and waiting with a progress bar.
 
-A fit compiles its whole loop into one program. Every few iterations the program calls
-``report`` on the host (``jax.debug.callback``), which records a ``step`` event in the ledger
-for the context that reported; the caller records each context's final step once the work is
-done (it fetches the results anyway). The caller waits in ``wait``, on its own thread, which shows a
-progress bar once the work has run for a second (a widget in notebooks, text elsewhere, through
-tqdm, imported only then). Nothing here runs on the compute path except the callback.
+A fit compiles its whole loop into one program. About every tenth of a second of work (the
+caller sets the interval in iterations) the program calls ``report`` on the host
+(``jax.debug.callback``), which records a ``step`` event in the ledger for the context that
+reported; the caller records each context's final step once the work is done (it fetches the
+results anyway). The caller waits in ``wait``, on its own thread, which shows a progress bar
+once the work has run for a second (a widget in notebooks, text elsewhere, through tqdm,
+imported only then). Nothing here runs on the compute path except the callback.
 """
 
 from __future__ import annotations
