@@ -574,11 +574,8 @@ _ROWS, _MODELS, _REPL = P(AXIS), P(None, AXIS), P()
 _LAYOUTS = {
     # one model, rows split, sums reduced: every output replicated
     "rows": ((_ROWS, _ROWS, _ROWS, _REPL, _REPL, _REPL), Fit(_REPL, _REPL, _REPL, _REPL, _REPL, _REPL)),
-    # one model per device on its own rows
-    "devices": (
-        (_ROWS, _ROWS, _ROWS, _MODELS, _ROWS, _ROWS),
-        Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS),
-    ),
+    # one model per device on its own rows: out, each model's w and b as one block, and its facts
+    "devices": ((_ROWS, _ROWS, _ROWS, _MODELS, _ROWS, _ROWS), (_ROWS, _ROWS)),
     # every device holds all rows and fits its own slice of the models
     "models": ((_REPL, _REPL, _REPL, _MODELS, _ROWS, _ROWS), Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS)),
 }
@@ -595,7 +592,20 @@ def _mapped_program(spec: Spec, devices: tuple, layout: str, omega_spec: Any = N
         scalar = (_REPL,) * 4  # tol, lr, run, ctx
 
         def body(X, y, omega, W0, b0, l2, tol, lr, run, ctx):
-            return solve(spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx)
+            dtype = l2.dtype
+            if omega is None:  # every row weighs one
+                omega = jnp.ones((X.shape[0], 1), dtype)
+            if W0 is None:  # start from zeros
+                W0, b0 = (
+                    jnp.zeros((X.shape[1], l2.shape[0], spec.c), dtype),
+                    jnp.zeros((l2.shape[0], spec.c), dtype),
+                )
+            fit = solve(spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx)
+            if layout != "devices":
+                return fit
+            # this device's model as one (d + 1, c) block, and its facts packed into one row:
+            # the host takes both with one fetch each, not one per field
+            return jnp.concatenate([fit.W[:, 0], fit.b]), _packed(fit)
 
         mesh = _parallel.mesh(devices)
         program = jax.shard_map(
@@ -842,41 +852,77 @@ def _init(init: Any, d: int, c: int, where: str) -> tuple[np.ndarray, np.ndarray
 # -- results -------------------------------------------------------------------------------
 
 
-def _model(fit: Fit, i: int | slice, classes: np.ndarray, l2: Any, solver: str, c: int) -> Model:
+class Facts(NamedTuple):
+    """What the host needs to know of M fits, fetched once: host numpy, a row per model."""
+
+    conv: np.ndarray  # (M,) bool
+    grad: np.ndarray  # (M,) max |gradient| at the returned model
+    its: np.ndarray  # (M,) int32
+    hist: Any  # (M, max_iter + 1) objective per iteration, NaN after the last (a list when fits differ)
+
+    def info(self, i: int | slice, l2: Any, solver: str) -> FitInfo:
+        return FitInfo(self.hist[i], self.its[i], self.conv[i], self.grad[i], l2, solver)
+
+
+def _facts(fits: list, rows: list[tuple[int, int]]) -> Facts:
+    """The facts of model r of fit f for each (f, r) in ``rows``, in one fetch."""
+    got = jax.device_get([(f.conv, f.gmax, f.its, f.hist) for f in fits])
+    if len(fits) == 1:
+        index = [r for _, r in rows]
+        return Facts(*(np.asarray(a)[index] for a in got[0]))
+    conv, grad, its = (np.stack([got[f][k][r] for f, r in rows]) for k in range(3))
+    return Facts(conv, grad, its, [got[f][3][r] for f, r in rows])
+
+
+def _packed(fit: Fit) -> jax.Array:
+    """A Fit's facts as one (M, max_iter + 4) array (traced): one fetch instead of four.
+    Columns: the objective history, then iterations (bit-cast: exact at any count), max
+    |gradient| and converged."""
+    dtype = fit.hist.dtype
+    its = jax.lax.bitcast_convert_type(fit.its.astype(_INT_OF[dtype.itemsize]), dtype)
+    cols = [its, fit.gmax.astype(dtype), fit.conv.astype(dtype)]
+    return jnp.concatenate([fit.hist, jnp.stack(cols, axis=1)], axis=1)
+
+
+_INT_OF = {4: jnp.int32, 8: jnp.int64}
+
+
+def _unpacked(packed: np.ndarray) -> Facts:
+    its = packed[:, -3].view(np.int32 if packed.dtype.itemsize == 4 else np.int64).astype(np.int32)
+    return Facts(packed[:, -1] > 0, packed[:, -2], its, packed[:, :-3])
+
+
+def _model(fit: Fit, i: int | slice, classes: np.ndarray, info: FitInfo, c: int) -> Model:
     """Model i (an int: one model; a slice: stacked) out of a Fit's M models."""
     part = (i.start, i.stop) if isinstance(i, slice) else i
-    w, b, hist, its, conv, gmax = _pieces(fit, part, c)
-    return Model(w, b, classes, FitInfo(hist, its, conv, gmax, l2, solver))
+    w, b = _pieces(fit.W, fit.b, part, c)
+    return Model(w, b, classes, info)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _pieces(fit: Fit, part: int | tuple, c: int) -> tuple:
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _pieces(W: jax.Array, b: jax.Array, part: int | tuple, c: int) -> tuple:
     """The model's arrays, cut from the solver's layout in one compiled call (not one op each)."""
     i = slice(*part) if isinstance(part, tuple) else part
-    W = fit.W[:, i]  # (d, c) or (d, K, c)
+    W = W[:, i]  # (d, c) or (d, K, c)
     w = jnp.moveaxis(W, 1, 0) if isinstance(part, tuple) else W
     w = w[..., 0] if c == 1 else w
-    b = fit.b[i][..., 0] if c == 1 else fit.b[i]
-    return w, b, fit.hist[i], fit.its[i], fit.conv[i], fit.gmax[i]
+    b = b[i][..., 0] if c == 1 else b[i]
+    return w, b
 
 
-def _conclude(
-    run: _progress.Run, fits: list, rows: list[tuple[int, int]], labels, owners, where, solver, data
-):
-    """Fetches the fits' facts in one wait, records each context's final step event, and warns
-    about the models that stopped short.
+def _conclude(run: _progress.Run, facts: Facts, labels, owners, where, solver, data) -> None:
+    """Records each context's final step event, and warns about the models that stopped short.
 
-    ``rows``: (fit, row) of each model in order; ``labels``: how the warning names each model;
-    ``owners``: the context index, or indices, that fitted each model; ``data``: (arrays, names)
-    of the features, checked for NaN and inf when a model's gradient is not finite (the
-    solver's first gradient reads every value, so finite data needs no pass of its own).
+    ``facts``: a row per model; ``labels``: how the warning names each model; ``owners``: the
+    context index, or indices, that fitted each model; ``data``: (arrays, names) of the
+    features, checked for NaN and inf when a model's gradient is not finite (the solver's first
+    gradient reads every value, so finite data needs no pass of its own).
     """
-    facts = jax.device_get([(f.conv, f.gmax, f.hist, f.its) for f in fits])
-    conv, grad, its = (np.stack([facts[f][k][r] for f, r in rows]) for k in (0, 1, 3))
+    conv, grad, its = facts.conv, facts.grad, facts.its
     if not np.isfinite(grad).all():
         _check_finite(*data, where)
-    last = np.stack([facts[f][2][r][i] for (f, r), i in zip(rows, its, strict=True)])
-    first = np.stack([facts[f][2][r][0] for f, r in rows])
+    last = np.array([h[i] for h, i in zip(facts.hist, its, strict=True)])
+    first = np.array([h[0] for h in facts.hist])
     mine: dict[int, list[int]] = {}
     for r, owner in enumerate(owners):
         for ctx in np.atleast_1d(owner).tolist():
@@ -914,8 +960,33 @@ def _run(what, targets: Targets, samples, models, spec: Spec) -> _progress.Run:
     )
 
 
-def _scalars(opts: _Options, run: _progress.Run, dtype) -> tuple:
-    return (np.asarray(opts.tol, dtype), np.asarray(opts.learning_rate, dtype), np.int32(run.id), np.int32(0))
+def _scalars(
+    opts: _Options, run: _progress.Run, dtype, spec: Spec | None = None, devices: tuple = ()
+) -> tuple:
+    """tol, learning rate, run id and context index, the program's scalar arguments. For an SPMD
+    program (``devices``) they are kept on the devices between fits, except the run id of a fit
+    that reports steps: copying four scalars to eight devices costs more than a short fit's
+    host work (0.36 ms)."""
+    if not devices:
+        return (
+            np.asarray(opts.tol, dtype),
+            np.asarray(opts.learning_rate, dtype),
+            np.int32(run.id),
+            np.int32(0),
+        )
+    name = np.dtype(dtype).name
+    reports = spec is not None and spec.every < spec.max_iter  # else the run id is never read
+    return (
+        _replicated(float(opts.tol), name, devices),
+        _replicated(float(opts.learning_rate), name, devices),
+        np.int32(run.id) if reports else _replicated(0, "int32", devices),
+        _replicated(0, "int32", devices),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated(value: float, dtype: str, devices: tuple) -> jax.Array:
+    return jax.device_put(np.asarray(value, dtype), _parallel._sharding(devices, AXIS, None))
 
 
 # -- fit: one model, data-parallel ---------------------------------------------------------
@@ -1022,13 +1093,14 @@ def fit(
     program = _mapped_program(spec, devices, "rows")
     try:
         t0 = time.perf_counter()
-        out = program(*placed, *_scalars(opts, run, dtype))
+        out = program(*placed, *_scalars(opts, run, dtype, spec, devices))
         _record(host_events, out, t0)
         out = _progress.wait(out, run, opts.progress)
-        _conclude(run, [out], [(0, 0)], [""], [list(range(k))], where, spec.solver, ([X], ["X"]))
+        facts = _facts([out], [(0, 0)])
+        _conclude(run, facts, [""], [list(range(k))], where, spec.solver, ([X], ["X"]))
     finally:
         run.close()
-    return _model(out, 0, classes, np.asarray(l2v, dtype), spec.solver, c)
+    return _model(out, 0, classes, facts.info(0, np.asarray(l2v, dtype), spec.solver), c)
 
 
 def _names(*names: str) -> Callable[[int], str]:
@@ -1155,11 +1227,16 @@ def fit_per_device(
     )
     try:
         if targets.spmd and same:
-            whole = _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, run, dtype)
-            whole = _progress.wait(whole, run, opts.progress)
-            blocks = [{s.device: s.data for s in a.addressable_shards} for a in whole]  # each once
-            fits = [(Fit(*(b[device] for b in blocks)), 0) for device in targets.devices]
-            unique, rows = [whole], [(0, i) for i in range(len(fits))]  # facts from the whole, at once
+            wb, packed = _progress.wait(
+                _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, run, dtype),
+                run,
+                opts.progress,
+            )
+            facts = _unpacked(np.asarray(packed))  # every model's facts in one fetch
+            blocks = {s.device: s.data for s in wb.addressable_shards}  # model i's w and b, on device i
+            arrays = [
+                _split(blocks[device], c) for device, (_, c) in zip(targets.devices, shapes, strict=True)
+            ]
         else:
             fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
             fits = _progress.wait(fits, run, opts.progress)
@@ -1167,26 +1244,25 @@ def fit_per_device(
             for f, _ in fits:
                 first.setdefault(id(f), f)
             order = {key: j for j, key in enumerate(first)}
-            unique, rows = list(first.values()), [(order[id(f)], m) for f, m in fits]
+            facts = _facts(list(first.values()), [(order[id(f)], m) for f, m in fits])
+            arrays = [_pieces(f.W, f.b, m, c) for (f, m), (_, c) in zip(fits, shapes, strict=True)]
         data = ([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names])
-        _conclude(
-            run,
-            unique,
-            rows,
-            list(targets.names),
-            range(len(fits)),
-            where,
-            specs[0].solver,
-            data,
-        )
+        names = list(targets.names)
+        _conclude(run, facts, names, range(len(names)), where, specs[0].solver, data)
     finally:
         run.close()
     return {
-        name: _model(fit, m, classes, np.asarray(l2v, dtype), spec.solver, c)
-        for name, (fit, m), (_, _, classes), l2v, spec, (_, c) in zip(
-            targets.names, fits, parts, penalties, specs, shapes, strict=True
+        name: Model(w, b, classes, facts.info(i, np.asarray(l2v, dtype), spec.solver))
+        for i, (name, (w, b), (_, _, classes), l2v, spec) in enumerate(
+            zip(names, arrays, parts, penalties, specs, strict=True)
         )
     }
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split(wb: jax.Array, c: int) -> tuple:
+    """One device's (d + 1, c) block of a per-device fit -> its model's w and b."""
+    return (wb[:-1, 0], wb[-1, 0]) if c == 1 else (wb[:-1], wb[-1])
 
 
 def _private(value: Any, targets: Targets, where: str, what: str) -> list:
@@ -1196,11 +1272,12 @@ def _private(value: Any, targets: Targets, where: str, what: str) -> list:
     return _parallel.per_context(value, targets, f"{what}= as a mapping", where)
 
 
-def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> Fit:
+def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> tuple:
     """One SPMD program: device i fits model i on its own rows. Each X is put on its device
     (one already there stays: no copy) and the blocks form one row-sharded array; the labels,
-    row weights and parameters go to every device in one placement each. Returns the M
-    models' results, model i's block on device i."""
+    penalties (and a start other than zeros) go to every device in one placement each. Returns the M
+    models' w and b, (M * (d + 1), c) with model i's block on device i, and their packed
+    facts (``_packed``)."""
     k, n = len(targets.names), parts[0][0].shape[0]
     Xs = [
         place([X], name, device, "put")[0]
@@ -1208,19 +1285,21 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) 
     ]
     sharding = jax.sharding.NamedSharding(_parallel.mesh(targets.devices), _ROWS)
     X = jax.make_array_from_single_device_arrays((k * n, Xs[0].shape[1]), sharding, Xs)
+    # Arrays made here, never the caller's, go without private copies; the row weights (all
+    # one) and a start from zeros are made on the devices.
+    y = np.concatenate([y_idx for _, y_idx, _ in parts])
+    (y,), _ = _parallel.place_spmd(Batch([y], None, (0,), k * n, _names("y")), targets, (n,) * k, own=True)
+    params, names, axes = [np.asarray(penalties, dtype)], ["l2"], (0,)
     W0 = np.stack([w for w, _ in starts], axis=1).astype(dtype)
     b0 = np.stack([b for _, b in starts]).astype(dtype)
-    labels = [np.concatenate([y_idx for _, y_idx, _ in parts]), np.ones((k * n, 1), dtype)]
-    rows, row_events = _parallel.place_spmd(
-        Batch(labels, None, (0, 0), k * n, _names("y", "row weights")), targets, (n,) * k
+    if W0.any() or b0.any():
+        params, names, axes = [W0, b0, *params], ["init w", "init b", *names], (1, 0, 0)
+    params, _ = _parallel.place_spmd(
+        Batch(params, None, axes, k, _names(*names)), targets, (1,) * k, own=True
     )
-    params = [W0, b0, np.asarray(penalties, dtype)]
-    params, host_events = _parallel.place_spmd(
-        Batch(params, None, (1, 0, 0), k, _names("init w", "init b", "l2")), targets, (1,) * k
-    )
-    t0 = time.perf_counter()
-    out = _mapped_program(spec, targets.devices, "devices")(X, *rows, *params, *_scalars(opts, run, dtype))
-    _record(row_events + host_events, out, t0)
+    W0, b0 = params[:2] if len(params) == 3 else (None, None)
+    program = _mapped_program(spec, targets.devices, "devices")
+    out = program(X, y, None, W0, b0, params[-1], *_scalars(opts, run, dtype, spec, targets.devices))
     return out
 
 
@@ -1356,7 +1435,7 @@ def fit_many(
             placed, host_events = _parallel.place_spmd(batch, targets, tuple(chunks))
             program = _mapped_program(spec, targets.devices, "models", _REPL if counts is None else _MODELS)
             t0 = time.perf_counter()
-            out = program(*placed, *_scalars(opts, run, dtype))
+            out = program(*placed, *_scalars(opts, run, dtype, spec, targets.devices))
             _record(host_events, out, t0)
             out = _progress.wait(out, run, opts.progress)
             first, device = targets.names[0], targets.devices[0]
@@ -1383,12 +1462,12 @@ def fit_many(
             )
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
         labels = [f"model {j}" for j in range(k_models)]
-        _conclude(
-            run, [out], [(0, j) for j in range(k_models)], labels, owners, where, spec.solver, ([X], ["X"])
-        )
+        facts = _facts([out], [(0, j) for j in range(k_models)])
+        _conclude(run, facts, labels, owners, where, spec.solver, ([X], ["X"]))
     finally:
         run.close()
-    return _model(out, slice(0, k_models), classes, jnp.asarray(pen[:k_models]), spec.solver, c)
+    info = facts.info(slice(None), pen[:k_models], spec.solver)
+    return _model(out, slice(0, k_models), classes, info, c)
 
 
 def _row_sets(rows: Any, n: int, where: str) -> np.ndarray:

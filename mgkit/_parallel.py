@@ -556,7 +556,7 @@ def _sharding(devices: tuple[jax.Device, ...], axis_name: str, ax: int | None) -
 
 
 def place_spmd(
-    batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS
+    batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS, own: bool = False
 ) -> tuple[list, list[Event]]:
     """Lays the leaves out for one SPMD program: split leaves part i on device i (padded to
     equal parts when the sizes differ), shared leaves on every device.
@@ -565,7 +565,9 @@ def place_spmd(
     copy straight to every device (faster than a separate put), except those bound for CPU
     devices, which go through a private copy (``stageable``); their events are returned so
     the caller records them when the program's outputs are ready. Leaves already laid out are
-    not moved.
+    not moved. ``own``: the host leaves are arrays the caller made for this call (never the
+    user's, so no private copy is needed); they are moved here with the device arrays, in one
+    placement.
     """
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
@@ -576,7 +578,7 @@ def place_spmd(
         value = concrete(leaf)
         if padded and ax is not None:
             out[i] = _take(leaf, index, ax)
-        if isinstance(value, _HOST_TYPES):
+        if isinstance(value, _HOST_TYPES) and not own:
             if not staged:
                 host_moves.append((value, ax))
                 # A part handed to the program's call keeps the caller's buffer when it
