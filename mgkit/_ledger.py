@@ -162,9 +162,9 @@ class Ledger:
 
     # -- recording -------------------------------------------------------------------------
 
-    def record(self, event: Event) -> None:
-        """Appends a finished event and hands it to every subscriber."""
-        self._record_all((event,))
+    def record(self, event: Event | list[Event]) -> None:
+        """Appends a finished event (or several, in order) and hands each to every subscriber."""
+        self._record_all((event,) if isinstance(event, Event) else event)
 
     def _record_all(self, events) -> None:
         with self._lock:

@@ -729,8 +729,10 @@ def _distinct(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if y.dtype.kind in "iub" and y.size:
         lo, hi = int(y.min()), int(y.max())
         if hi - lo < 4 * y.size + 1024 and lo > -(2**62) and hi < 2**62:
-            offset = y.astype(np.int64) - lo
+            offset = np.subtract(y, lo, dtype=np.int64)
             present = np.bincount(offset, minlength=hi - lo + 1) > 0
+            if present.all():  # every value from lo to hi occurs (labels 0..k-1): the offset is the index
+                return np.arange(lo, hi + 1).astype(y.dtype), offset
             rank = (np.cumsum(present) - 1).astype(np.int32)
             return (np.flatnonzero(present) + lo).astype(y.dtype), np.take(rank, offset)
     return np.unique(y, return_inverse=True)
@@ -927,8 +929,7 @@ def _conclude(run: _progress.Run, facts: Facts, labels, owners, where, solver, d
     for r, owner in enumerate(owners):
         for ctx in np.atleast_1d(owner).tolist():
             mine.setdefault(ctx, []).append(r)
-    for ctx, got in mine.items():
-        run.step(ctx, int(its[got].max()), last[got], grad[got], final=True)
+    run.finals([(ctx, int(its[got].max()), last[got], grad[got]) for ctx, got in mine.items()])
     bad = [
         f"{labels[r] + ': ' if labels[r] else ''}max|gradient| {grad[r]:.3g}" for r in np.flatnonzero(~conv)
     ]
@@ -1044,10 +1045,8 @@ def fit(
     X = _check_X(X, where)
     n, d = X.shape
     y_idx, classes = _encode(y, n, where)
-    weights = np.ones(n, _dtype()) if sample_weight is None else _weights(sample_weight, n, where)
-    omega = weights[:, None]
-    total = float(omega.sum())
-    l2v = _penalty(l2, C, total, where)
+    omega = None if sample_weight is None else _weights(sample_weight, n, where)[:, None]
+    l2v = _penalty(l2, C, float(n) if omega is None else float(omega.sum()), where)
     c = 1 if len(classes) == 2 else len(classes)
     W0, b0 = _init(init, d, c, where)
     devices = tuple(dict.fromkeys(targets.devices))  # two names on one device share its rows
@@ -1072,24 +1071,28 @@ def fit(
     keep = np.zeros(k * max(sizes), dtype)
     keep[_parallel._padding(sizes)[1]] = 1
     run = _run("logreg.fit", targets, sizes, [1] * k, spec)
-    leaves = [
-        X,
-        y_idx,
-        omega,
-        W0.reshape(d, 1, c).astype(dtype),
-        b0.reshape(1, c).astype(dtype),
-        np.asarray([l2v], dtype),
-    ]
+    padded = len(set(sizes)) > 1
+    weighted = omega is not None or padded  # else every row weighs one, made on the devices
+    if padded and omega is None:
+        omega = np.ones((n, 1), dtype)
+    start = bool(W0.any() or b0.any())  # else the start from zeros is made on the devices
+    (X_placed,), host_events = _parallel.place_spmd(Batch([X], None, (0,), n, _names("X")), targets, sizes)
+    parts = {
+        "y": (y_idx, 0),
+        "sample_weight": (omega, 0) if weighted else None,
+        "init w": (W0.reshape(d, 1, c).astype(dtype), None) if start else None,
+        "init b": (b0.reshape(1, c).astype(dtype), None) if start else None,
+        "l2": (np.asarray([l2v], dtype), None),
+    }
+    names = [nm for nm, part in parts.items() if part is not None]
     batch = Batch(
-        leaves,
-        None,
-        (0, 0, 0, None, None, None),
-        n,
-        _names("X", "y", "sample_weight", "init w", "init b", "l2"),
+        [parts[nm][0] for nm in names], None, tuple(parts[nm][1] for nm in names), n, _names(*names)
     )
-    placed, host_events = _parallel.place_spmd(batch, targets, sizes)
-    if len(set(sizes)) > 1:  # the row weights are host numpy, padded like X: zero the padding
-        placed[2] = placed[2] * keep[:, None]
+    placed, _ = _parallel.place_spmd(batch, targets, sizes, own=True)  # arrays made here: no private copies
+    got = dict(zip(names, placed, strict=True))
+    if padded:  # padding rows repeat a real row: zero their weight
+        got["sample_weight"] = got["sample_weight"] * keep[:, None]
+    placed = [X_placed, *(got.get(nm) for nm in ("y", "sample_weight", "init w", "init b", "l2"))]
     program = _mapped_program(spec, devices, "rows")
     try:
         t0 = time.perf_counter()
