@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mgkit as mg
 
@@ -210,3 +212,29 @@ def test_host_arrays_keep_their_values_through_the_staged_copy(dtype):
     out = mg.put(x, "dev2")
     assert out.dtype == jax.dtypes.canonicalize_dtype(x.dtype)
     np.testing.assert_array_equal(np.asarray(out), x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), min_size=1, max_size=6),
+    split=st.sampled_from([1 << 30, 64]),
+)
+def test_private_copies_are_aligned_equal_and_not_the_callers_memory(shapes, split):
+    from mgkit import _transfer
+
+    values = [np.arange(r * c, dtype=np.float32).reshape(r, c) + i for i, (r, c) in enumerate(shapes)]
+    values.append(np.full((), 7.0))  # a 0-d array too
+    old = _transfer._SPLIT_COPY
+    _transfer._SPLIT_COPY = split  # 64: the helper thread copies too, and large arrays go in halves
+    try:
+        copies = _transfer.private_copies(values)
+    finally:
+        _transfer._SPLIT_COPY = old
+    for value, copy in zip(values, copies, strict=True):
+        assert copy.shape == value.shape and copy.dtype == value.dtype
+        assert copy.ctypes.data % _transfer._ALIGN == 0 or not copy.size
+        np.testing.assert_array_equal(copy, value)
+        assert not np.shares_memory(copy, value)
+    for value in values:
+        value[...] = -1  # the caller changes its arrays: the copies keep the old values
+    assert all((copy != -1).all() for copy in copies if copy.size)
