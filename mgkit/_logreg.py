@@ -65,7 +65,8 @@ class ConvergenceWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class FitInfo:
-    """How a fit went.
+    """How a fit went: host numpy (the fit fetches these facts once, when it ends), a leading
+    axis of K models for ``fit_many``.
 
     Attributes:
       loss: the objective at each iteration (index 0: the initial model), NaN after the last;

@@ -242,6 +242,39 @@ def test_contexts_sharing_a_device_fit_in_one_program(small, solver, monkeypatch
     assert sorted(e.src for e in final) == ["a", "a", "b", "b", "c", "c", "d", "d"]  # together, alone
 
 
+@pytest.mark.parametrize("start", [False, True])
+def test_per_device_spmd_models_live_on_their_devices_and_equal_fitting_alone(start, monkeypatch):
+    """One SPMD program: each model's w and b come back on its own device, in the shapes of a
+    fit alone (three classes here), with its facts as host numpy; a start other than zeros
+    travels with the penalties."""
+    rng = np.random.default_rng(7)
+    ctxs = ["dev0", "dev3", "dev5"]
+    data = {c: (rng.standard_normal((60, 4)), rng.integers(0, 3, 60)) for c in ctxs}
+    init = (
+        {c: (rng.standard_normal((4, 3)) * 0.1, rng.standard_normal(3) * 0.1) for c in ctxs}
+        if start
+        else None
+    )
+    calls = []
+    spmd = _logreg._per_device_spmd
+    monkeypatch.setattr(_logreg, "_per_device_spmd", lambda *a: calls.append(1) or spmd(*a))
+    models = lr.fit_per_device(data, l2={"dev0": 0.01, "dev3": 0.03, "dev5": 0.1}, init=init)
+    assert calls == [1]
+    for ctx, m in models.items():
+        assert m.w.shape == (4, 3) and m.b.shape == (3,)
+        assert mg.where(m.w) == ctx and mg.where(m.b) == ctx
+        assert isinstance(m.info.loss, np.ndarray) and isinstance(m.info.iterations, np.integer)
+        l2 = float(m.info.l2)
+        alone = lr.fit(
+            *data[ctx], l2=l2, contexts=[ctx], solver=m.info.solver, init=init[ctx] if start else None
+        )
+        np.testing.assert_allclose(np.asarray(m.w), np.asarray(alone.w), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(m.b), np.asarray(alone.b), atol=1e-5)
+        assert int(m.info.iterations) == int(alone.info.iterations) and bool(m.info.converged)
+        np.testing.assert_allclose(m.info.history(), alone.info.history(), rtol=1e-5)
+    assert [round(float(models[c].info.l2), 6) for c in ctxs] == [0.01, 0.03, 0.1]
+
+
 def test_per_device_models_of_different_sizes_and_solvers(small):
     X, y = small
     rng = np.random.default_rng(2)
