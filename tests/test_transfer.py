@@ -64,6 +64,33 @@ def test_transfer_to_cpu_returns_numpy_for_every_leaf():
     assert all(isinstance(v, np.ndarray) for v in out.values())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8])
+def test_large_arrays_between_cpu_devices_arrive_whole_and_private(dtype, monkeypatch):
+    # from _SPLIT_COPY bytes a CPU -> CPU move goes through a private host copy (XLA's own copy
+    # faults in fresh pages one by one above 32 MiB)
+    from mgkit import _transfer
+
+    copied = []
+    copies = _transfer.private_copies
+    monkeypatch.setattr(
+        _transfer, "private_copies", lambda vs: copied.extend(v.nbytes for v in vs) or copies(vs)
+    )
+    x = mg.put((np.arange(_transfer._SPLIT_COPY // np.dtype(dtype).itemsize + 7) % 251).astype(dtype), "dev0")
+    small = mg.put(np.arange(10, dtype=dtype), "dev0")
+    mg.ledger().clear()
+    copied.clear()  # the puts' host copies
+    y, tiny = mg.transfer([x, small], "dev1")
+    mg.synchronize()
+    assert y.devices() == {jax.devices()[1]} and tiny.devices() == {jax.devices()[1]} and y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    assert not np.shares_memory(np.asarray(y), np.asarray(x))
+    z = y + 1  # the copy is an ordinary device array
+    assert z.devices() == y.devices() and np.asarray(x)[0] == 0
+    (event,) = mg.ledger().records("transfer")
+    assert (event.src, event.dst, event.nbytes) == ("dev0", "dev1", x.nbytes + small.nbytes)
+    assert copied == [x.nbytes]  # the small one is left to XLA
+
+
 def test_leaves_already_there_are_not_moved_or_recorded():
     x = mg.put(np.ones(8), "dev3")
     mg.ledger().clear()
