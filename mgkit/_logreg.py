@@ -575,7 +575,7 @@ _ROWS, _MODELS, _REPL = P(AXIS), P(None, AXIS), P()
 _LAYOUTS = {
     # one model, rows split, sums reduced: every output replicated
     "rows": ((_ROWS, _ROWS, _ROWS, _REPL, _REPL, _REPL), Fit(_REPL, _REPL, _REPL, _REPL, _REPL, _REPL)),
-    # one model per device on its own rows: out, each model's w and b as one block, and its facts
+    # one model per device on its own rows; out: each model's w and b as one block, and its facts
     "devices": ((_ROWS, _ROWS, _ROWS, _MODELS, _ROWS, _ROWS), (_ROWS, _ROWS)),
     # every device holds all rows and fits its own slice of the models
     "models": ((_REPL, _REPL, _REPL, _MODELS, _ROWS, _ROWS), Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS)),
@@ -877,6 +877,9 @@ def _facts(fits: list, rows: list[tuple[int, int]]) -> Facts:
     return Facts(conv, grad, its, [got[f][3][r] for f, r in rows])
 
 
+_INT_OF = {4: jnp.int32, 8: jnp.int64}  # the integer type as wide as each float type
+
+
 def _packed(fit: Fit) -> jax.Array:
     """A Fit's facts as one (M, max_iter + 4) array (traced): one fetch instead of four.
     Columns: the objective history, then iterations (bit-cast: exact at any count), max
@@ -887,10 +890,8 @@ def _packed(fit: Fit) -> jax.Array:
     return jnp.concatenate([fit.hist, jnp.stack(cols, axis=1)], axis=1)
 
 
-_INT_OF = {4: jnp.int32, 8: jnp.int64}
-
-
 def _unpacked(packed: np.ndarray) -> Facts:
+    """``_packed``'s rows, fetched, as Facts."""
     its = packed[:, -3].view(np.int32 if packed.dtype.itemsize == 4 else np.int64).astype(np.int32)
     return Facts(packed[:, -1] > 0, packed[:, -2], its, packed[:, :-3])
 
@@ -1279,9 +1280,9 @@ def _private(value: Any, targets: Targets, where: str, what: str) -> list:
 def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> tuple:
     """One SPMD program: device i fits model i on its own rows. Each X is put on its device
     (one already there stays: no copy) and the blocks form one row-sharded array; the labels,
-    penalties (and a start other than zeros) go to every device in one placement each. Returns the M
-    models' w and b, (M * (d + 1), c) with model i's block on device i, and their packed
-    facts (``_packed``)."""
+    and the penalties with any start other than zeros, go to every device in one placement
+    each. Returns the M models' w and b, (M * (d + 1), c) with model i's block on device i,
+    and their packed facts (``_packed``)."""
     k, n = len(targets.names), parts[0][0].shape[0]
     # host X bound for CPU devices are copied all at once, over two threads (eight 1.25 MB
     # copies one after another take twice as long)
