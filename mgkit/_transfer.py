@@ -109,15 +109,15 @@ def private_copy(value: np.ndarray) -> np.ndarray:
 
 
 def private_copies(values: list[np.ndarray]) -> list[np.ndarray]:
-    """Fresh copies of host arrays, each in memory aligned to ``_ALIGN`` bytes, all in one buffer
-    (freed when the last of them is). From
-    ``_SPLIT_COPY`` bytes in all, a helper thread makes about half of them (a large array in two
-    halves) while this one makes the rest: numpy lets go of the GIL while it copies, and most of
-    a copy's time is the first touch of the new pages (40 MB: 4.1 ms against 5.9 ms on a 2-core
-    host; eight 1.25 MB arrays alike)."""
-    # One buffer for all: numpy asks the kernel for huge pages from 4 MiB, and faulting in
-    # small pages one by one is most of a copy's time (eight 1.25 MB copies: 3.4 ms in
-    # separate buffers, 0.8 ms in one).
+    """Fresh copies of host arrays, each aligned to ``_ALIGN`` bytes, all in one buffer (freed
+    when the last of them is).
+
+    Most of a copy's time is the first touch of its new pages. One buffer for all lets numpy ask
+    for huge pages (it does from 4 MiB): eight 1.25 MB copies take 0.8 ms instead of 3.4 ms in
+    separate buffers. From ``_SPLIT_COPY`` bytes in all, a helper thread makes about half of the
+    copies (a large array in two halves) while this one makes the rest, since numpy lets go of
+    the GIL while it copies: 40 MB in 4.1 ms instead of 5.9 ms on a 2-core host.
+    """
     spans = [-(-value.nbytes // _ALIGN) * _ALIGN for value in values]
     buf = np.empty(sum(spans) + _ALIGN, np.uint8)
     start = (-buf.ctypes.data) % _ALIGN
