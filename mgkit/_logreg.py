@@ -1069,9 +1069,6 @@ def fit(
     spec = _spec(opts, d, c, devices[0].platform, True, True, rows=-(-n // k), models=1, held=n)
     sizes = _parallel.shares(n, k)
     dtype = _dtype()
-    # Padding rows (uneven splits) repeat a real row; their weight is zeroed below.
-    keep = np.zeros(k * max(sizes), dtype)
-    keep[_parallel._padding(sizes)[1]] = 1
     run = _run("logreg.fit", targets, sizes, [1] * k, spec)
     padded = len(set(sizes)) > 1
     weighted = omega is not None or padded  # else every row weighs one, made on the devices
@@ -1093,7 +1090,9 @@ def fit(
     placed, _ = _parallel.place_spmd(batch, targets, sizes, own=True)  # arrays made here: no private copies
     got = dict(zip(names, placed, strict=True))
     if padded:  # padding rows repeat a real row: zero their weight
-        got["sample_weight"] = got["sample_weight"] * keep[:, None]
+        keep = np.zeros((k * max(sizes), 1), dtype)
+        keep[_parallel._padding(sizes)[1]] = 1
+        got["sample_weight"] = got["sample_weight"] * keep
     placed = [X_placed, *(got.get(nm) for nm in ("y", "sample_weight", "init w", "init b", "l2"))]
     program = _mapped_program(spec, devices, "rows")
     try:
