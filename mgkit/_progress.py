@@ -12,6 +12,7 @@ imported only then). Nothing here runs on the compute path except the callback.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from typing import Any, ClassVar
@@ -109,6 +110,42 @@ def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
         live.step(i, it, loss[m : m + 1], grad[m : m + 1])
 
 
+class _Waiter:
+    """A daemon thread that waits for the outputs handed to it, kept for the next wait once done.
+    Starting a thread for every wait cost about a millisecond: the new thread must first be
+    scheduled, while the program it waits for keeps every core busy. A wait that is still
+    blocked (its caller stopped with Ctrl-C) keeps its thread; the next wait gets another."""
+
+    _idle: ClassVar[list[_Waiter]] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="mgkit-wait", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _Waiter:
+        with cls._lock:
+            if cls._idle:
+                return cls._idle.pop()
+        return cls()
+
+    def put(self, outputs: Any, finished: threading.Event, failure: list) -> None:
+        self._jobs.put((outputs, finished, failure))
+
+    def _run(self) -> None:
+        while True:
+            outputs, finished, failure = self._jobs.get()
+            try:
+                jax.block_until_ready(outputs)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                failure.append(e)
+            outputs = None  # hold no results between waits
+            with _Waiter._lock:
+                _Waiter._idle.append(self)
+            finished.set()
+
+
 def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
     """Waits for ``outputs`` on a helper thread, so the caller stays responsive (Ctrl-C works)
     and can draw a bar: after a second of work when ``progress`` is None, at once when True,
@@ -116,16 +153,7 @@ def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
     open until ``run.close()``, so it can show the last step, which the caller records."""
     finished = threading.Event()
     failure: list[BaseException] = []
-
-    def block() -> None:
-        try:
-            jax.block_until_ready(outputs)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-            failure.append(e)
-        finally:
-            finished.set()
-
-    threading.Thread(target=block, name="mgkit-wait", daemon=True).start()
+    _Waiter.get().put(outputs, finished, failure)
     bar = None
     show_at = None if progress is False else time.perf_counter() + (0.0 if progress else _DELAY)
     try:

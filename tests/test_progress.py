@@ -1,0 +1,74 @@
+"""Waiting for a program's outputs: the waiting threads are kept and reused, a wait that never
+ends does not hold up the next one, and what computing the outputs raised reaches the caller."""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mgkit import _progress
+
+
+class Gate:
+    """An output whose ``block_until_ready`` (what ``jax.block_until_ready`` calls on a leaf that
+    is not a jax array) waits until the gate opens, then raises ``error`` if one is set."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.open, self.entered, self.error = threading.Event(), threading.Event(), error
+
+    def block_until_ready(self):
+        self.thread = threading.current_thread()
+        self.entered.set()
+        assert self.open.wait(30), "the gate was never opened"
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+def _run() -> _progress.Run:
+    return _progress.Run("test", ["dev0"], ["cpu0"], [1], [1], None)
+
+
+def _waiters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "mgkit-wait"]
+
+
+def test_waits_reuse_one_thread():
+    run = _run()
+    x = jnp.arange(4.0)
+    np.testing.assert_array_equal(_progress.wait([x, x + 1], run, False)[1], np.arange(1.0, 5.0))
+    gates = [Gate() for _ in range(4)]
+    for gate in gates:
+        gate.open.set()
+        assert _progress.wait([x, gate], run, False)[1] is gate
+    assert len({id(g.thread) for g in gates}) == 1  # one thread served every wait
+    assert gates[0].thread.name == "mgkit-wait" and gates[0].thread.is_alive()
+    run.close()
+
+
+def test_a_wait_still_blocked_does_not_hold_up_the_next():
+    run = _run()
+    stuck = Gate()
+    first = threading.Thread(target=_progress.wait, args=(stuck, run, False), daemon=True)
+    first.start()
+    assert stuck.entered.wait(10)  # a waiting thread is blocked on the gate
+    later = Gate()
+    later.open.set()
+    assert _progress.wait(later, run, False) is later  # served by another thread, at once
+    stuck.open.set()
+    first.join(10)
+    assert not first.is_alive()
+    run.close()
+
+
+def test_what_computing_raised_reaches_the_caller_and_the_thread_is_kept():
+    run = _run()
+    failing = Gate(RuntimeError("the device failed"))
+    failing.open.set()
+    with pytest.raises(RuntimeError, match="the device failed"):
+        _progress.wait(failing, run, False)
+    count = len(_waiters())
+    assert _progress.wait(jnp.ones(3), run, False).shape == (3,)
+    assert len(_waiters()) == count
+    run.close()
