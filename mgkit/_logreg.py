@@ -257,6 +257,7 @@ class Spec(NamedTuple):
     mapped: bool  # runs under shard_map over AXIS: the context index is the axis index
     fused: bool  # one model, X streamed on a CPU: scores as (1, n) and the gradient as a fused multiply-sum
     stacked: bool = False  # model m has its own rows: X (M, n, d), y (n, M)
+    short_sums: bool = False  # a CPU program whose every sum is short: see ``_compiler_options``
 
 
 class Fit(NamedTuple):
@@ -580,9 +581,24 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
 # -- programs ------------------------------------------------------------------------------
 
 
+def _compiler_options(spec: Spec) -> dict[str, str] | None:
+    """XLA's CPU backend splits every sum of more than 32 terms into a windowed partial sum
+    and a second sum of the partials (pairwise-like rounding for long sums), each a step of
+    its own. In a short fit's loop these steps are a good part of the time: 400 x 784 models
+    fit 7% faster without the split. A sum of at most ``_SHORT_SUM`` terms keeps float32
+    accuracy without it (the CPU sums 8 lanes at once): it is skipped where every sum is short."""
+    return {"xla_disable_hlo_passes": "tree_reduction_rewriter"} if spec.short_sums else None
+
+
+_SHORT_SUM = 16384  # terms (rows per device, or parameters per model) of a sum kept unsplit
+
+
 def _local_program(spec: Spec) -> Callable:
     """One device, M models: ``solve`` compiled."""
-    return _parallel._PROGRAMS.get(("logreg", spec), lambda: jax.jit(functools.partial(solve, spec)))
+    return _parallel._PROGRAMS.get(
+        ("logreg", spec),
+        lambda: jax.jit(functools.partial(solve, spec), compiler_options=_compiler_options(spec)),
+    )
 
 
 def _stacked_program(spec: Spec) -> Callable:
@@ -592,7 +608,9 @@ def _stacked_program(spec: Spec) -> Callable:
     def program(Xs, *rest):
         return solve(spec._replace(stacked=True), jnp.stack(Xs), *rest)
 
-    return _parallel._PROGRAMS.get(("logreg", "stacked", spec), lambda: jax.jit(program))
+    return _parallel._PROGRAMS.get(
+        ("logreg", "stacked", spec), lambda: jax.jit(program, compiler_options=_compiler_options(spec))
+    )
 
 
 # Partition specs per layout, for (X, y, omega, W0, b0, l2) and the outputs.
@@ -600,8 +618,9 @@ _ROWS, _MODELS, _REPL = P(AXIS), P(None, AXIS), P()
 _LAYOUTS = {
     # one model, rows split, sums reduced: every output replicated
     "rows": ((_ROWS, _ROWS, _ROWS, _REPL, _REPL, _REPL), Fit(_REPL, _REPL, _REPL, _REPL, _REPL, _REPL)),
-    # one model per device on its own rows; out: each model's w and b as one block, and its facts
-    "devices": ((_ROWS, _ROWS, _ROWS, _MODELS, _ROWS, _ROWS), (_ROWS, _ROWS)),
+    # one model per device on its own rows and its labels, penalty and start in one array
+    # (``_per_device_rows``); out: each model's w and b as one block, and its facts
+    "devices": ((_ROWS, _ROWS), (_ROWS, _ROWS)),
     # every device holds all rows and fits its own slice of the models
     "models": ((_REPL, _REPL, _REPL, _MODELS, _ROWS, _ROWS), Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS)),
 }
@@ -633,13 +652,27 @@ def _mapped_program(spec: Spec, devices: tuple, layout: str, omega_spec: Any = N
             # the host takes both with one fetch each, not one per field
             return jnp.concatenate([fit.W[:, 0], fit.b]), _packed(fit)
 
+        def per_device(X, rows, tol, lr, run, ctx):
+            n, d = X.shape
+            W0 = b0 = None
+            if rows.shape[0] > n + 1:  # a start other than zeros
+                W0 = rows[n + 1 : n + 1 + d * spec.c].reshape(d, 1, spec.c)
+                b0 = rows[n + 1 + d * spec.c :].reshape(1, spec.c)
+            return body(X, rows[:n].astype(jnp.int32), None, W0, b0, rows[n : n + 1], tol, lr, run, ctx)
+
         mesh = _parallel.mesh(devices)
         program = jax.shard_map(
-            body, mesh=mesh, in_specs=(*in_specs, *scalar), out_specs=out_specs, check_vma=False
+            per_device if layout == "devices" else body,
+            mesh=mesh,
+            in_specs=(*in_specs, *scalar),
+            out_specs=out_specs,
+            check_vma=False,
         )
         shardings = tuple(_parallel._sharding(devices, AXIS, None) for _ in scalar)
         data_shardings = tuple(jax.sharding.NamedSharding(mesh, s) for s in (*in_specs,))
-        return jax.jit(program, in_shardings=(*data_shardings, *shardings))
+        return jax.jit(
+            program, in_shardings=(*data_shardings, *shardings), compiler_options=_compiler_options(spec)
+        )
 
     return _parallel._PROGRAMS.get(key, build)
 
@@ -837,7 +870,8 @@ def _spec(
     # 22 ms a fit against 25), one that stays in cache with plain products (400 x 784: 31 + 27
     # us against 49 + 48). Simulated CPU devices share the host's cache, so all of X counts.
     fused = platform == "cpu" and held * d * np.dtype(_dtype()).itemsize >= _STREAMED
-    return Spec(solver, c, max_iter, every, reduce, mapped, fused)
+    short = platform == "cpu" and max(rows, (d + 1) * c) <= _SHORT_SUM
+    return Spec(solver, c, max_iter, every, reduce, mapped, fused, short_sums=short)
 
 
 _STREAMED = 16 << 20  # bytes of X from which a CPU streams it from memory (more than its cache)
@@ -1301,12 +1335,24 @@ def _private(value: Any, targets: Targets, where: str, what: str) -> list:
     return _parallel.per_context(value, targets, f"{what}= as a mapping", where)
 
 
+def _per_device_rows(parts, penalties, starts, dtype) -> np.ndarray:
+    """Every model's class indices, penalty and (unless all are zeros) start as one array, model
+    i's part for device i, in the fit's float type (class indices are exact in it: below 2**24).
+    One placement of a few kilobytes costs what one of a few bytes does (0.13 ms to 8 CPU
+    devices), and this makes one instead of two."""
+    given = any(w.any() or b.any() for w, b in starts)
+    pieces = []
+    for (_, y_idx, _), l2v, (w, b) in zip(parts, penalties, starts, strict=True):
+        pieces += [y_idx, [l2v], *((w.ravel(), b.ravel()) if given else ())]
+    return np.concatenate(pieces, dtype=dtype, casting="unsafe")
+
+
 def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> tuple:
     """One SPMD program: device i fits model i on its own rows. Each X is put on its device
-    (one already there stays: no copy) and the blocks form one row-sharded array; the labels,
-    and the penalties with any start other than zeros, go to every device in one placement
-    each. Returns the M models' w and b, (M * (d + 1), c) with model i's block on device i,
-    and their packed facts (``_packed``)."""
+    (one already there stays: no copy) and the blocks form one row-sharded array; model i's
+    labels, penalty and start go to device i, all in one placement. Returns the M models' w
+    and b, (M * (d + 1), c) with model i's block on device i, and their packed facts
+    (``_packed``)."""
     k, n = len(targets.names), parts[0][0].shape[0]
     # host X bound for CPU devices are copied all at once, over two threads (eight 1.25 MB
     # copies one after another take twice as long)
@@ -1318,22 +1364,17 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) 
     ]
     sharding = jax.sharding.NamedSharding(_parallel.mesh(targets.devices), _ROWS)
     X = jax.make_array_from_single_device_arrays((k * n, Xs[0].shape[1]), sharding, Xs)
-    # Arrays made here, never the caller's, go without private copies; the row weights (all
-    # one) and a start from zeros are made on the devices.
-    y = np.concatenate([y_idx for _, y_idx, _ in parts])
-    (y,), _ = _parallel.place_spmd(Batch([y], None, (0,), k * n, _names("y")), targets, (n,) * k, own=True)
-    params, names, axes = [np.asarray(penalties, dtype)], ["l2"], (0,)
-    W0 = np.stack([w for w, _ in starts], axis=1).astype(dtype)
-    b0 = np.stack([b for _, b in starts]).astype(dtype)
-    if W0.any() or b0.any():
-        params, names, axes = [W0, b0, *params], ["init w", "init b", *names], (1, 0, 0)
-    params, _ = _parallel.place_spmd(
-        Batch(params, None, axes, k, _names(*names)), targets, (1,) * k, own=True
+    # Made here, never the caller's: no private copy. Row weights (all one) and a start from
+    # zeros are made on the devices.
+    rows = _per_device_rows(parts, penalties, starts, dtype)
+    (rows,), _ = _parallel.place_spmd(
+        Batch([rows], None, (0,), len(rows), _names("labels, l2 and start")),
+        targets,
+        (len(rows) // k,) * k,
+        own=True,
     )
-    W0, b0 = params[:2] if len(params) == 3 else (None, None)
     program = _mapped_program(spec, targets.devices, "devices")
-    out = program(X, y, None, W0, b0, params[-1], *_scalars(opts, run, dtype, spec, targets.devices))
-    return out
+    return program(X, rows, *_scalars(opts, run, dtype, spec, targets.devices))
 
 
 def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype) -> list[tuple[Fit, int]]:
