@@ -1,6 +1,7 @@
 """Logistic regression: parity with scikit-learn, the three layouts, the seed's gradient descent,
 telemetry, convergence warnings and bad input."""
 
+import functools
 import warnings
 
 import hypothesis.extra.numpy as hnp
@@ -92,6 +93,25 @@ def test_c_maps_to_l2(small):
 
 
 # -- fit: data-parallel --------------------------------------------------------------------
+
+
+def test_short_sums_skip_the_tree_split_on_cpus_only():
+    opts = _logreg._options("auto", None, 1e-5, 0.1, False, "test")
+    spec = functools.partial(_logreg._spec, opts, reduce=False, mapped=False, models=1, held=400)
+    assert spec(784, 1, "cpu", rows=400).short_sums  # seed 000
+    assert spec(100, 1, "cpu", rows=12_500).short_sums  # 100k rows over 8 contexts
+    assert not spec(100, 1, "cpu", rows=100_000).short_sums  # one context's 100k-row sums are split
+    assert not spec(20_000, 1, "cpu", rows=400).short_sums  # 20k parameters
+    assert not spec(784, 1, "gpu", rows=400).short_sums
+    short = _logreg._local_program(spec(784, 1, "cpu", rows=400))
+    long = _logreg._local_program(spec(784, 1, "cpu", rows=100_000))
+    args = (
+        np.ones((400, 784), np.float32), np.zeros(400, np.int32), np.ones((400, 1), np.float32),
+        np.zeros((784, 1, 1), np.float32), np.zeros((1, 1), np.float32), np.full(1, 0.01, np.float32),
+        np.float32(1e-5), np.float32(0.1), np.int32(0), np.int32(0),
+    )  # fmt: skip
+    assert "reduce-window" not in short.lower(*args).compile().as_text()
+    assert "reduce-window" in long.lower(*args).compile().as_text()
 
 
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # gd: fixed steps
