@@ -114,20 +114,24 @@ class _Waiter:
     """A daemon thread that waits for the outputs handed to it, kept for the next wait once done.
     Starting a thread for every wait cost about a millisecond: the new thread must first be
     scheduled, while the program it waits for keeps every core busy. A wait that is still
-    blocked (its caller stopped with Ctrl-C) keeps its thread; the next wait gets another."""
+    blocked (its caller stopped with Ctrl-C) keeps its thread; the next wait gets another. A
+    kept waiter whose thread is gone (a process forked from this one has none) is dropped."""
 
     _idle: ClassVar[list[_Waiter]] = []
     _lock = threading.Lock()
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="mgkit-wait", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="mgkit-wait", daemon=True)
+        self._thread.start()
 
     @classmethod
     def get(cls) -> _Waiter:
         with cls._lock:
-            if cls._idle:
-                return cls._idle.pop()
+            while cls._idle:
+                waiter = cls._idle.pop()
+                if waiter._thread.is_alive():
+                    return waiter
         return cls()
 
     def put(self, outputs: Any, finished: threading.Event, failure: list) -> None:
@@ -140,10 +144,10 @@ class _Waiter:
                 jax.block_until_ready(outputs)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 failure.append(e)
-            outputs = None  # hold no results between waits
             with _Waiter._lock:
                 _Waiter._idle.append(self)
             finished.set()
+            outputs = finished = failure = None  # hold no results (or errors) between waits
 
 
 def wait(outputs: Any, run: Run, progress: bool | None) -> Any:

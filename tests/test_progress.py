@@ -72,3 +72,21 @@ def test_what_computing_raised_reaches_the_caller_and_the_thread_is_kept():
     assert _progress.wait(jnp.ones(3), run, False).shape == (3,)
     assert len(_waiters()) == count
     run.close()
+
+
+def test_a_kept_waiter_whose_thread_is_gone_is_dropped():
+    # A process forked after a wait inherits the kept waiter but not its thread: handing it a
+    # wait would hang. Stand in for that with a waiter whose thread has ended.
+    gone = _progress._Waiter.__new__(_progress._Waiter)
+    gone._thread = threading.Thread(target=lambda: None)
+    gone._thread.start()
+    gone._thread.join()
+    with _progress._Waiter._lock:
+        _progress._Waiter._idle.append(gone)
+    run = _run()
+    gate = Gate()
+    gate.open.set()
+    assert _progress.wait(gate, run, False) is gate
+    assert gate.thread is not gone._thread and gate.thread.is_alive()
+    assert gone not in _progress._Waiter._idle
+    run.close()
