@@ -252,16 +252,22 @@ class Spec(NamedTuple):
     solver: str  # newton | lbfgs | gd
     c: int  # 1: sigmoid; k: softmax over k classes
     max_iter: int
-    every: int  # iterations between step reports
+    every: int  # iterations per call of the program: the host reports steps between calls
     reduce: bool  # sum the loss, gradient and Hessian over the mesh axis (data-parallel)
-    mapped: bool  # runs under shard_map over AXIS: the context index is the axis index
     fused: bool  # one model, X streamed on a CPU: scores as (1, n) and the gradient as a fused multiply-sum
     stacked: bool = False  # model m has its own rows: X (M, n, d), y (n, M)
     short_sums: bool = False  # a CPU program whose every sum is short: see ``_compiler_options``
 
+    @property
+    def chunked(self) -> bool:
+        """The fit may outlast one call: each call runs ``every`` iterations at most and returns
+        the solver's state with its results, and the host resumes it (``_drive``)."""
+        return self.every < self.max_iter
+
 
 class Fit(NamedTuple):
-    """A solver's results for M models (W: (d, M, c), b: (M, c), the rest (M,) or (M, L))."""
+    """A solver's results for M models (W: (d, M, c), b: (M, c), the rest (M,) or (M, L)).
+    ``more``: the model is still running when a call ends (only a chunked fit's call ends early)."""
 
     W: Any
     b: Any
@@ -269,6 +275,7 @@ class Fit(NamedTuple):
     its: Any
     gmax: Any
     conv: Any
+    more: Any
 
 
 class _Carry(NamedTuple):
@@ -288,13 +295,45 @@ class _Carry(NamedTuple):
     YtY: Any  # y_i . y_j, (M, m, m)
 
 
-def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
+_INT_OF = {4: jnp.int32, 8: jnp.int64}  # the integer type as wide as each float type
+_KINDS = _Carry(*"ii" + "f" * 6 + "bb" + "ffff")  # i: int32, b: bool, f: the fit's float type
+
+
+def _pack(st: _Carry, dtype) -> jax.Array:
+    """The solver's state as one flat array of its float type (integers bit-cast: exact), so a
+    call hands it to the next as one buffer per device, not fourteen."""
+    parts = []
+    for a, kind in zip(st, _KINDS, strict=True):
+        if kind == "i":
+            a = jax.lax.bitcast_convert_type(a.astype(_INT_OF[jnp.dtype(dtype).itemsize]), dtype)
+        parts.append(jnp.ravel(a).astype(dtype))
+    return jnp.concatenate(parts)
+
+
+def _unpack(flat: jax.Array, like: _Carry) -> _Carry:
+    """``_pack``'s inverse; ``like`` holds each field's shape."""
+    fields, at = [], 0
+    for shape, kind in zip(like, _KINDS, strict=True):
+        size = math.prod(shape)
+        a = flat[at : at + size].reshape(shape)
+        at += size
+        if kind == "i":
+            a = jax.lax.bitcast_convert_type(a, _INT_OF[a.dtype.itemsize]).astype(jnp.int32)
+        fields.append(a > 0 if kind == "b" else a)
+    return _Carry(*fields)
+
+
+def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, resume=None) -> Fit | tuple[Fit, jax.Array]:
     """Fits M models on local rows; with ``spec.reduce`` the rows are one shard of the data.
 
     X: (n, d), or (M, n, d) with ``spec.stacked`` (each model its own rows); y: (n,) class
     indices, or (n, M) stacked; omega: (n, 1 or M) row weights (0 for padding); W0: (d, M, c);
-    b0: (M, c); l2: (M,); tol, lr: scalars; run: id for step reports; ctx: the context index
-    reporting (an (M,) array of them when stacked models belong to different contexts).
+    b0: (M, c); l2: (M,); tol, lr: scalars.
+
+    A chunked fit (``spec.chunked``) runs ``spec.every`` iterations at most and returns its
+    results with its state packed (``_pack``); ``resume`` is a state so returned, to go on from
+    (W0 and b0 are then not read). The host reports each context's step between calls: no host
+    callback runs inside the program, so every call takes jit's fast path.
     """
     n, d = X.shape[-2:]
     M, c = b0.shape
@@ -447,26 +486,15 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         old = (st.SY, st.StY, st.YtY)
         return tuple(jnp.where(keep[:, None, None], a, b) for a, b in zip(new, old, strict=True))
 
-    def report(it, f, gmax):
-        where = jax.lax.axis_index(AXIS) if spec.mapped else ctx
-        jax.debug.callback(_progress.report, run, where, it, f, gmax)
-
-    def maybe_report(it, f, gmax):  # the host records the last step itself, from the results
-        if spec.every >= spec.max_iter:  # the whole fit takes less than a report interval
-            return
-        jax.lax.cond((it > 0) & (it % spec.every == 0), lambda: report(it, f, gmax), lambda: None)
-
     def gd_step(st):
         Z = scores(st.W, st.b)
         f, g = value(Z, st.W), grad(Z, st.W)
         gmax = jnp.max(jnp.abs(g), axis=1)
-        maybe_report(st.it, f, gmax)
         W, b = unflat(flat(st.W, st.b) - lr * g)
         hist = st.hist.at[:, st.it].set(f)
         return st._replace(it=st.it + 1, its=st.its + 1, W=W, b=b, f=f, g=g, gmax=gmax, hist=hist)
 
     def search_step(st):
-        maybe_report(st.it, st.f, st.gmax)
         active = ~st.done
         step = newton_direction(st.Z, st.g) if spec.solver == "newton" else lbfgs_direction(st)
         step = jnp.where(active[:, None], step, 0.0)
@@ -521,37 +549,42 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
         its = st.its + active.astype(st.its.dtype)
         return _Carry(st.it + 1, its, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, *pairs)
 
-    # From zeros (the default start) the first scores are the intercepts: no pass over X.
-    Z0 = jax.lax.cond(
-        jnp.any(W0 != 0), lambda: scores(W0, b0), lambda: jnp.broadcast_to(b0[..., None], (M, c, n))
-    )
-    f0, g0 = value(Z0, W0), grad(Z0, W0)
-    gmax0 = jnp.max(jnp.abs(g0), axis=1)
-    # The first gradient reads every value of X, each times a finite weight: a NaN or inf in X
-    # makes it non-finite, and the fit stops at once (the host then names the bad value).
-    finite0 = jnp.isfinite(gmax0)
     mem = _MEMORY if spec.solver == "lbfgs" else 0
-    hist0 = jnp.full((M, spec.max_iter + 1), jnp.nan, dtype)
-    start = _Carry(
-        jnp.int32(0),
-        jnp.zeros((M,), jnp.int32),
-        W0,
-        b0,
-        Z0,
-        f0,
-        g0,
-        gmax0,
-        (gmax0 <= tol) | ~finite0 if spec.solver != "gd" else jnp.zeros((M,), bool),
-        jnp.zeros((M,), bool),
-        hist0.at[:, 0].set(f0) if spec.solver != "gd" else hist0,
-        jnp.zeros((M, 2 * mem, p), dtype),
-        jnp.zeros((M, mem, mem), dtype),
-        jnp.zeros((M, mem, mem), dtype),
-    )
-    if spec.solver == "gd":
-        st = jax.lax.while_loop(lambda s: (s.it < spec.max_iter) & jnp.all(finite0), gd_step, start)
+    if resume is not None:
+        shapes = ((), (M,), (d, M, c), (M, c), (M, c, n), (M,), (M, p), (M,), (M,), (M,))
+        shapes += ((M, spec.max_iter + 1), (M, 2 * mem, p), (M, mem, mem), (M, mem, mem))
+        start = _unpack(resume, _Carry(*shapes))
     else:
-        st = jax.lax.while_loop(lambda s: (s.it < spec.max_iter) & ~jnp.all(s.done), search_step, start)
+        # From zeros (the default start) the first scores are the intercepts: no pass over X.
+        Z0 = jax.lax.cond(
+            jnp.any(W0 != 0), lambda: scores(W0, b0), lambda: jnp.broadcast_to(b0[..., None], (M, c, n))
+        )
+        f0, g0 = value(Z0, W0), grad(Z0, W0)
+        gmax0 = jnp.max(jnp.abs(g0), axis=1)
+        # The first gradient reads every value of X, each times a finite weight: a NaN or inf in
+        # X makes it non-finite, and the fit stops at once (the host then names the bad value).
+        # gd takes its fixed steps unless a gradient is not finite: then every model stops.
+        finite0 = jnp.isfinite(gmax0)
+        hist0 = jnp.full((M, spec.max_iter + 1), jnp.nan, dtype)
+        start = _Carry(
+            jnp.int32(0),
+            jnp.zeros((M,), jnp.int32),
+            W0,
+            b0,
+            Z0,
+            f0,
+            g0,
+            gmax0,
+            (gmax0 <= tol) | ~finite0 if spec.solver != "gd" else jnp.broadcast_to(~jnp.all(finite0), (M,)),
+            jnp.zeros((M,), bool),
+            hist0.at[:, 0].set(f0) if spec.solver != "gd" else hist0,
+            jnp.zeros((M, 2 * mem, p), dtype),
+            jnp.zeros((M, mem, mem), dtype),
+            jnp.zeros((M, mem, mem), dtype),
+        )
+    stop = jnp.minimum(start.it + spec.every, spec.max_iter) if spec.chunked else spec.max_iter
+    step_fn = gd_step if spec.solver == "gd" else search_step
+    st = jax.lax.while_loop(lambda s: (s.it < stop) & ~jnp.all(s.done), step_fn, start)
 
     # The carried loss and gradient are the returned model's (scores are updated, not
     # recomputed: their rounding stays near float epsilon times the path length).
@@ -575,7 +608,8 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx) -> Fit:
 
         limit = jax.lax.cond(jnp.any(st.stalled), floor, lambda: jnp.zeros((M,), dtype))
         conv = conv | (st.stalled & (gmax <= limit))
-    return Fit(st.W, st.b, hist, st.its, gmax, conv)
+    fit = Fit(st.W, st.b, hist, st.its, gmax, conv, ~st.done & (st.it < spec.max_iter))
+    return (fit, _pack(st, dtype)) if spec.chunked else fit
 
 
 # -- programs ------------------------------------------------------------------------------
@@ -594,7 +628,7 @@ _SHORT_SUM = 16384  # terms (rows per device, or parameters per model) of a sum 
 
 
 def _local_program(spec: Spec) -> Callable:
-    """One device, M models: ``solve`` compiled."""
+    """One device, M models: ``solve`` compiled (a resumed call passes the state last)."""
     return _parallel._PROGRAMS.get(
         ("logreg", spec),
         lambda: jax.jit(functools.partial(solve, spec), compiler_options=_compiler_options(spec)),
@@ -603,7 +637,7 @@ def _local_program(spec: Spec) -> Callable:
 
 def _stacked_program(spec: Spec) -> Callable:
     """One device, M models each on its own rows: a tuple of M equal-shape X, then y and row
-    weights (n, M), then ``solve``'s other arguments."""
+    weights (n, M), then ``solve``'s other arguments (a resumed call: the state last)."""
 
     def program(Xs, *rest):
         return solve(spec._replace(stacked=True), jnp.stack(Xs), *rest)
@@ -617,26 +651,33 @@ def _stacked_program(spec: Spec) -> Callable:
 _ROWS, _MODELS, _REPL = P(AXIS), P(None, AXIS), P()
 _LAYOUTS = {
     # one model, rows split, sums reduced: every output replicated
-    "rows": ((_ROWS, _ROWS, _ROWS, _REPL, _REPL, _REPL), Fit(_REPL, _REPL, _REPL, _REPL, _REPL, _REPL)),
+    "rows": ((_ROWS, _ROWS, _ROWS, _REPL, _REPL, _REPL), Fit(*(_REPL,) * 7)),
     # one model per device on its own rows and its labels, penalty and start in one array
     # (``_per_device_rows``); out: each model's w and b as one block, and its facts
     "devices": ((_ROWS, _ROWS), (_ROWS, _ROWS)),
     # every device holds all rows and fits its own slice of the models
-    "models": ((_REPL, _REPL, _REPL, _MODELS, _ROWS, _ROWS), Fit(_MODELS, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS)),
+    "models": ((_REPL, _REPL, _REPL, _MODELS, _ROWS, _ROWS), Fit(_MODELS, *(_ROWS,) * 6)),
 }
 
 
-def _mapped_program(spec: Spec, devices: tuple, layout: str, omega_spec: Any = None) -> Callable:
-    """One SPMD program over the devices' mesh, for one of the three layouts."""
-    key = ("logreg", spec, devices, layout, omega_spec)
+def _mapped_program(
+    spec: Spec, devices: tuple, layout: str, omega_spec: Any = None, resume: bool = False
+) -> Callable:
+    """One SPMD program over the devices' mesh, for one of the three layouts. A chunked fit's
+    program also returns each device's state as one row, (devices, L); ``resume``: the program
+    that takes those rows last and goes on from them."""
+    key = ("logreg", spec, devices, layout, omega_spec, resume)
 
     def build():
         in_specs, out_specs = _LAYOUTS[layout]
         if omega_spec is not None:
             in_specs = (*in_specs[:2], omega_spec, *in_specs[3:])
-        scalar = (_REPL,) * 4  # tol, lr, run, ctx
+        scalar = (_REPL,) * 2  # tol, lr
+        state = (_ROWS,) if resume else ()
+        if spec.chunked:
+            out_specs = (out_specs, _ROWS)
 
-        def body(X, y, omega, W0, b0, l2, tol, lr, run, ctx):
+        def body(X, y, omega, W0, b0, l2, tol, lr, *resumed):
             dtype = l2.dtype
             if omega is None:  # every row weighs one
                 omega = jnp.ones((X.shape[0], 1), dtype)
@@ -645,34 +686,35 @@ def _mapped_program(spec: Spec, devices: tuple, layout: str, omega_spec: Any = N
                     jnp.zeros((X.shape[1], l2.shape[0], spec.c), dtype),
                     jnp.zeros((l2.shape[0], spec.c), dtype),
                 )
-            fit = solve(spec, X, y, omega, W0, b0, l2, tol, lr, run, ctx)
-            if layout != "devices":
-                return fit
-            # this device's model as one (d + 1, c) block, and its facts packed into one row:
-            # the host takes both with one fetch each, not one per field
-            return jnp.concatenate([fit.W[:, 0], fit.b]), _packed(fit)
+            out = solve(spec, X, y, omega, W0, b0, l2, tol, lr, *(r[0] for r in resumed))
+            fit, packed = out if spec.chunked else (out, None)
+            if layout == "devices":
+                # this device's model as one (d + 1, c) block, and its facts packed into one
+                # row: the host takes both with one fetch each, not one per field
+                fit = jnp.concatenate([fit.W[:, 0], fit.b]), _packed(fit)
+            return (fit, packed[None]) if spec.chunked else fit
 
-        def per_device(X, rows, tol, lr, run, ctx):
+        def per_device(X, rows, tol, lr, *resumed):
             n, d = X.shape
             W0 = b0 = None
             if rows.shape[0] > n + 1:  # a start other than zeros
                 W0 = rows[n + 1 : n + 1 + d * spec.c].reshape(d, 1, spec.c)
                 b0 = rows[n + 1 + d * spec.c :].reshape(1, spec.c)
-            return body(X, rows[:n].astype(jnp.int32), None, W0, b0, rows[n : n + 1], tol, lr, run, ctx)
+            y = rows[:n].astype(jnp.int32)
+            return body(X, y, None, W0, b0, rows[n : n + 1], tol, lr, *resumed)
 
         mesh = _parallel.mesh(devices)
         program = jax.shard_map(
             per_device if layout == "devices" else body,
             mesh=mesh,
-            in_specs=(*in_specs, *scalar),
+            in_specs=(*in_specs, *scalar, *state),
             out_specs=out_specs,
             check_vma=False,
         )
-        shardings = tuple(_parallel._sharding(devices, AXIS, None) for _ in scalar)
-        data_shardings = tuple(jax.sharding.NamedSharding(mesh, s) for s in (*in_specs,))
-        return jax.jit(
-            program, in_shardings=(*data_shardings, *shardings), compiler_options=_compiler_options(spec)
-        )
+        shardings = [jax.sharding.NamedSharding(mesh, s) for s in in_specs]
+        shardings += [_parallel._sharding(devices, AXIS, None) for _ in scalar]
+        shardings += [jax.sharding.NamedSharding(mesh, s) for s in state]
+        return jax.jit(program, in_shardings=tuple(shardings), compiler_options=_compiler_options(spec))
 
     return _parallel._PROGRAMS.get(key, build)
 
@@ -852,7 +894,6 @@ def _spec(
     c: int,
     platform: str,
     reduce: bool,
-    mapped: bool,
     rows: int,
     models: int,
     held: int,
@@ -871,7 +912,7 @@ def _spec(
     # us against 49 + 48). Simulated CPU devices share the host's cache, so all of X counts.
     fused = platform == "cpu" and held * d * np.dtype(_dtype()).itemsize >= _STREAMED
     short = platform == "cpu" and max(rows, (d + 1) * c) <= _SHORT_SUM
-    return Spec(solver, c, max_iter, every, reduce, mapped, fused, short_sums=short)
+    return Spec(solver, c, max_iter, every, reduce, fused, short_sums=short)
 
 
 _STREAMED = 16 << 20  # bytes of X from which a CPU streams it from memory (more than its cache)
@@ -885,10 +926,10 @@ _REPORT_WORK_ACCEL = 2.5e9
 
 
 def _every(solver: str, d: int, c: int, platform: str, load: int) -> int:
-    """Iterations between step reports: about a tenth of a second of work apart. Each report
-    stops the device for a host callback, which costs more than a fast iteration (8 contexts
-    fitting 400 x 784 models on a 2-core host: 23 ms with a report every 10 iterations, 13 ms
-    without), so a fit shorter than the interval reports only its last step, from the host."""
+    """Iterations per call of a fit's program: about a tenth of a second of work. Between calls
+    the host records each context's step and the bar moves; each call costs a dispatch and a
+    fetch (under a millisecond), so a fit shorter than one call is one call and reports only
+    its last step."""
     p = (d + 1) * c
     work = max(load, 1) * p * (p if solver == "newton" else 1)  # Newton: a p x p Hessian
     return max(1, math.ceil(_REPORT_WORK.get(platform, _REPORT_WORK_ACCEL) / work))
@@ -921,6 +962,7 @@ class Facts(NamedTuple):
     grad: np.ndarray  # (M,) max |gradient| at the returned model
     its: np.ndarray  # (M,) int32
     hist: Any  # (M, max_iter + 1) objective per iteration, NaN after the last (a list when fits differ)
+    more: np.ndarray  # (M,) bool: still running (a chunked fit's call ended first)
 
     def info(self, i: int | slice, l2: Any, solver: str) -> FitInfo:
         return FitInfo(self.hist[i], self.its[i], self.conv[i], self.grad[i], l2, solver)
@@ -928,31 +970,28 @@ class Facts(NamedTuple):
 
 def _facts(fits: list, rows: list[tuple[int, int]]) -> Facts:
     """The facts of model r of fit f for each (f, r) in ``rows``, in one fetch."""
-    got = jax.device_get([(f.conv, f.gmax, f.its, f.hist) for f in fits])
+    got = jax.device_get([(f.conv, f.gmax, f.its, f.hist, f.more) for f in fits])
     if len(fits) == 1:
         index = [r for _, r in rows]
         return Facts(*(np.asarray(a)[index] for a in got[0]))
     conv, grad, its = (np.stack([got[f][k][r] for f, r in rows]) for k in range(3))
-    return Facts(conv, grad, its, [got[f][3][r] for f, r in rows])
-
-
-_INT_OF = {4: jnp.int32, 8: jnp.int64}  # the integer type as wide as each float type
+    return Facts(conv, grad, its, [got[f][3][r] for f, r in rows], np.stack([got[f][4][r] for f, r in rows]))
 
 
 def _packed(fit: Fit) -> jax.Array:
-    """A Fit's facts as one (M, max_iter + 4) array (traced): one fetch instead of four.
+    """A Fit's facts as one (M, max_iter + 5) array (traced): one fetch instead of five.
     Columns: the objective history, then iterations (bit-cast: exact at any count), max
-    |gradient| and converged."""
+    |gradient|, converged and still running."""
     dtype = fit.hist.dtype
     its = jax.lax.bitcast_convert_type(fit.its.astype(_INT_OF[dtype.itemsize]), dtype)
-    cols = [its, fit.gmax.astype(dtype), fit.conv.astype(dtype)]
+    cols = [its, fit.gmax.astype(dtype), fit.conv.astype(dtype), fit.more.astype(dtype)]
     return jnp.concatenate([fit.hist, jnp.stack(cols, axis=1)], axis=1)
 
 
 def _unpacked(packed: np.ndarray) -> Facts:
     """``_packed``'s rows, fetched, as Facts."""
-    its = packed[:, -3].view(np.int32 if packed.dtype.itemsize == 4 else np.int64).astype(np.int32)
-    return Facts(packed[:, -1] > 0, packed[:, -2], its, packed[:, :-3])
+    its = packed[:, -4].view(np.int32 if packed.dtype.itemsize == 4 else np.int64).astype(np.int32)
+    return Facts(packed[:, -2] > 0, packed[:, -3], its, packed[:, :-4], packed[:, -1] > 0)
 
 
 def _model(fit: Fit, i: int | slice, classes: np.ndarray, info: FitInfo, c: int) -> Model:
@@ -973,6 +1012,68 @@ def _pieces(W: jax.Array, b: jax.Array, part: int | tuple, c: int) -> tuple:
     return w, b
 
 
+def _last(facts: Facts) -> np.ndarray:
+    """Each model's objective at its last iteration."""
+    return np.array([h[i] for h, i in zip(facts.hist, facts.its, strict=True)])
+
+
+def _steps(facts: Facts, owners, last: np.ndarray) -> list[tuple]:
+    """One step per context, ``(ctx, iteration, losses, gradients)``, over the models it fits
+    (``owners``: the context index, or indices, of each model)."""
+    mine: dict[int, list[int]] = {}
+    for r, owner in enumerate(owners):
+        for ctx in np.atleast_1d(owner).tolist():
+            mine.setdefault(ctx, []).append(r)
+    return [(ctx, int(facts.its[got].max()), last[got], facts.grad[got]) for ctx, got in mine.items()]
+
+
+class _Job:
+    """One compiled fit's calls: ``call()`` starts it; a chunked fit's call ends after
+    ``spec.every`` iterations, and ``call(state)`` goes on from the state the last call
+    returned, until no model runs on."""
+
+    def __init__(self, spec: Spec, call: Callable) -> None:
+        self.spec, self.call = spec, call
+        self.out = call()
+
+    @property
+    def result(self) -> Any:
+        return self.out[0] if self.spec.chunked else self.out
+
+    def running(self) -> bool:
+        r = self.result
+        more = r.more if isinstance(r, Fit) else np.asarray(r[1])[:, -1]  # devices: packed facts
+        return bool(np.asarray(more).any())
+
+    def resume(self) -> None:
+        self.out = self.call(self.out[1])
+
+
+def _mapped_job(spec: Spec, devices: tuple, layout: str, args: tuple, omega_spec: Any = None) -> _Job:
+    """A job of the layout's SPMD program on ``args`` (a resumed call: the resuming program)."""
+
+    def call(*state):
+        return _mapped_program(spec, devices, layout, omega_spec, bool(state))(*args, *state)
+
+    return _Job(spec, call)
+
+
+def _drive(jobs: list[_Job], run: _progress.Run, progress, facts_of: Callable, owners) -> Facts:
+    """Waits for the jobs (``_progress.wait``: Ctrl-C works, a bar once the fit has run for a
+    second) and resumes the chunked ones while a model runs on, recording each context's step
+    between calls. Returns the facts of the last calls, ``facts_of(results)``, which fetches
+    them at once: a fit within one call (the usual case) costs one fetch."""
+    while True:
+        _progress.wait([job.out for job in jobs], run, progress)
+        facts = facts_of([job.result for job in jobs])
+        if not facts.more.any():
+            return facts
+        run.steps(_steps(facts, owners, _last(facts)))
+        for job in jobs:
+            if job.spec.chunked and job.running():
+                job.resume()
+
+
 def _conclude(run: _progress.Run, facts: Facts, labels, owners, where, solver, data) -> None:
     """Records each context's final step event, and warns about the models that stopped short.
 
@@ -981,16 +1082,12 @@ def _conclude(run: _progress.Run, facts: Facts, labels, owners, where, solver, d
     features, checked for NaN and inf when a model's gradient is not finite (the solver's first
     gradient reads every value, so finite data needs no pass of its own).
     """
-    conv, grad, its = facts.conv, facts.grad, facts.its
+    conv, grad = facts.conv, facts.grad
     if not np.isfinite(grad).all():
         _check_finite(*data, where)
-    last = np.array([h[i] for h, i in zip(facts.hist, its, strict=True)])
+    last = _last(facts)
     first = np.array([h[0] for h in facts.hist])
-    mine: dict[int, list[int]] = {}
-    for r, owner in enumerate(owners):
-        for ctx in np.atleast_1d(owner).tolist():
-            mine.setdefault(ctx, []).append(r)
-    run.finals([(ctx, int(its[got].max()), last[got], grad[got]) for ctx, got in mine.items()])
+    run.steps(_steps(facts, owners, last), final=True)
     bad = [
         f"{labels[r] + ': ' if labels[r] else ''}max|gradient| {grad[r]:.3g}" for r in np.flatnonzero(~conv)
     ]
@@ -1022,28 +1119,14 @@ def _run(what, targets: Targets, samples, models, spec: Spec) -> _progress.Run:
     )
 
 
-def _scalars(
-    opts: _Options, run: _progress.Run, dtype, spec: Spec | None = None, devices: tuple = ()
-) -> tuple:
-    """tol, learning rate, run id and context index, the program's scalar arguments. For an SPMD
-    program (``devices``) they are kept on the devices between fits, except the run id of a fit
-    that reports steps: copying four scalars to eight devices costs more than a short fit's
-    host work (0.36 ms)."""
+def _scalars(opts: _Options, dtype, devices: tuple = ()) -> tuple:
+    """tol and learning rate, the program's scalar arguments. For an SPMD program (``devices``)
+    they are kept on the devices between fits: copying scalars to eight devices costs more than
+    a short fit's host work."""
     if not devices:
-        return (
-            np.asarray(opts.tol, dtype),
-            np.asarray(opts.learning_rate, dtype),
-            np.int32(run.id),
-            np.int32(0),
-        )
+        return np.asarray(opts.tol, dtype), np.asarray(opts.learning_rate, dtype)
     name = np.dtype(dtype).name
-    reports = spec is not None and spec.every < spec.max_iter  # else the run id is never read
-    return (
-        _replicated(float(opts.tol), name, devices),
-        _replicated(float(opts.learning_rate), name, devices),
-        np.int32(run.id) if reports else _replicated(0, "int32", devices),
-        _replicated(0, "int32", devices),
-    )
+    return tuple(_replicated(float(v), name, devices) for v in (opts.tol, opts.learning_rate))
 
 
 @functools.lru_cache(maxsize=64)
@@ -1125,7 +1208,7 @@ def fit(
         first.setdefault(dv, nm)
     targets = Targets(tuple(first.values()), devices, True)
     k = len(devices)
-    spec = _spec(opts, d, c, devices[0].platform, True, True, rows=-(-n // k), models=1, held=n)
+    spec = _spec(opts, d, c, devices[0].platform, True, rows=-(-n // k), models=1, held=n)
     sizes = _parallel.shares(n, k)
     dtype = _dtype()
     run = _run("logreg.fit", targets, sizes, [1] * k, spec)
@@ -1153,17 +1236,17 @@ def fit(
         keep[_parallel._padding(sizes)[1]] = 1
         got["sample_weight"] = got["sample_weight"] * keep
     placed = [X_placed, *(got.get(nm) for nm in ("y", "sample_weight", "init w", "init b", "l2"))]
-    program = _mapped_program(spec, devices, "rows")
+    args = (*placed, *_scalars(opts, dtype, devices))
+    owners = [list(range(k))]  # every context holds the one model
     try:
         t0 = time.perf_counter()
-        out = program(*placed, *_scalars(opts, run, dtype, spec, devices))
-        _record(host_events, out, t0)
-        out = _progress.wait(out, run, opts.progress)
-        facts = _facts([out], [(0, 0)])
-        _conclude(run, facts, [""], [list(range(k))], where, spec.solver, ([X], ["X"]))
+        job = _mapped_job(spec, devices, "rows", args)
+        _record(host_events, job.out, t0)
+        facts = _drive([job], run, opts.progress, lambda fits: _facts(fits, [(0, 0)]), owners)
+        _conclude(run, facts, [""], owners, where, spec.solver, ([X], ["X"]))
     finally:
         run.close()
-    return _model(out, 0, classes, facts.info(0, np.asarray(l2v, dtype), spec.solver), c)
+    return _model(job.result, 0, classes, facts.info(0, np.asarray(l2v, dtype), spec.solver), c)
 
 
 def _names(*names: str) -> Callable[[int], str]:
@@ -1272,46 +1355,29 @@ def fit_per_device(
     for i, ((X, _, _), (d, c)) in enumerate(zip(parts, shapes, strict=True)):
         penalties.append(_penalty(l2s[i], Cs[i], X.shape[0], where))
         starts.append(_init(inits[i], d, c, where))
-        specs.append(
-            _spec(
-                opts,
-                d,
-                c,
-                targets.devices[i].platform,
-                False,
-                targets.spmd and same,
-                X.shape[0],
-                sharing[targets.devices[i]],
-                held,
-            )
-        )
+        platform = targets.devices[i].platform
+        specs.append(_spec(opts, d, c, platform, False, X.shape[0], sharing[targets.devices[i]], held))
     run = _run(
         "logreg.fit_per_device", targets, [X.shape[0] for X, _, _ in parts], [1] * len(parts), specs[0]
     )
     try:
+        owners = range(len(targets.names))
         if targets.spmd and same:
-            wb, packed = _progress.wait(
-                _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, run, dtype),
-                run,
-                opts.progress,
-            )
-            facts = _unpacked(np.asarray(packed))  # every model's facts in one fetch
-            blocks = {s.device: s.data for s in wb.addressable_shards}  # model i's w and b, on device i
+            job = _per_device_spmd(parts, starts, penalties, targets, specs[0], opts, dtype)
+            # every model's facts in one fetch
+            facts = _drive([job], run, opts.progress, lambda got: _unpacked(np.asarray(got[0][1])), owners)
+            blocks = {s.device: s.data for s in job.result[0].addressable_shards}  # model i's w and b
             arrays = [
                 _split(blocks[device], c) for device, (_, c) in zip(targets.devices, shapes, strict=True)
             ]
         else:
-            fits = _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype)
-            fits = _progress.wait(fits, run, opts.progress)
-            first: dict[int, Fit] = {}  # the programs' results, each once (stacked fits are shared)
-            for f, _ in fits:
-                first.setdefault(id(f), f)
-            order = {key: j for j, key in enumerate(first)}
-            facts = _facts(list(first.values()), [(order[id(f)], m) for f, m in fits])
+            jobs, rows = _per_device_local(parts, starts, penalties, targets, specs, opts, dtype)
+            facts = _drive(jobs, run, opts.progress, lambda fits: _facts(fits, rows), owners)
+            fits = [(jobs[j].result, m) for j, m in rows]
             arrays = [_pieces(f.W, f.b, m, c) for (f, m), (_, c) in zip(fits, shapes, strict=True)]
         data = ([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names])
         names = list(targets.names)
-        _conclude(run, facts, names, range(len(names)), where, specs[0].solver, data)
+        _conclude(run, facts, names, owners, where, specs[0].solver, data)
     finally:
         run.close()
     return {
@@ -1347,11 +1413,11 @@ def _per_device_rows(parts, penalties, starts, dtype) -> np.ndarray:
     return np.concatenate(pieces, dtype=dtype, casting="unsafe")
 
 
-def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) -> tuple:
+def _per_device_spmd(parts, starts, penalties, targets, spec, opts, dtype) -> _Job:
     """One SPMD program: device i fits model i on its own rows. Each X is put on its device
     (one already there stays: no copy) and the blocks form one row-sharded array; model i's
-    labels, penalty and start go to device i, all in one placement. Returns the M models' w
-    and b, (M * (d + 1), c) with model i's block on device i, and their packed facts
+    labels, penalty and start go to device i, all in one placement. The job's result: the M
+    models' w and b, (M * (d + 1), c) with model i's block on device i, and their packed facts
     (``_packed``)."""
     k, n = len(targets.names), parts[0][0].shape[0]
     # host X bound for CPU devices are copied all at once, over two threads (eight 1.25 MB
@@ -1373,19 +1439,21 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, run, dtype) 
         (len(rows) // k,) * k,
         own=True,
     )
-    program = _mapped_program(spec, targets.devices, "devices")
-    return program(X, rows, *_scalars(opts, run, dtype, spec, targets.devices))
+    args = (X, rows, *_scalars(opts, dtype, targets.devices))
+    return _mapped_job(spec, targets.devices, "devices", args)
 
 
-def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype) -> list[tuple[Fit, int]]:
+def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> tuple[list[_Job], list]:
     """One program per device, all dispatched before any is waited on. The models of contexts
     that share a device (with data of one shape) are fitted together, stacked: eight contexts on
-    one GPU cost about one fit, not eight. Returns (fit, index of the context's model in it)."""
+    one GPU cost about one fit, not eight. Returns the jobs and, per context, (its job's index,
+    the index of its model in the job's fit)."""
     groups: dict[tuple, list[int]] = {}
     for i, ((X, _, _), spec) in enumerate(zip(parts, specs, strict=True)):
         groups.setdefault((targets.devices[i], spec, X.shape), []).append(i)
-    tol, lr, run_id, _ = _scalars(opts, run, dtype)
-    out: list = [None] * len(parts)
+    scalars = _scalars(opts, dtype)
+    jobs: list[_Job] = []
+    rows: list = [None] * len(parts)
     for (device, spec, _), members in groups.items():
         Xs = tuple(place([parts[i][0]], targets.names[i], device, "put")[0] for i in members)
         y = np.stack([parts[i][1] for i in members], axis=1)  # (n, M): one copy for the group
@@ -1396,12 +1464,13 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, run, dtype
         y = y[:, 0] if len(members) == 1 else y
         rest = place([y, omega, W0, b0, l2], targets.names[members[0]], device, "put")
         if len(members) == 1:
-            fit = _local_program(spec)(Xs[0], *rest, tol, lr, run_id, np.int32(members[0]))
+            program, args = _local_program(spec), (Xs[0], *rest, *scalars)
         else:
-            ctxs = np.asarray(members, np.int32)
-            fit = _stacked_program(spec)(Xs, *rest, tol, lr, run_id, ctxs)
-        out = [(fit, members.index(i)) if i in members else o for i, o in enumerate(out)]
-    return out
+            program, args = _stacked_program(spec), (Xs, *rest, *scalars)
+        jobs.append(_Job(spec, functools.partial(program, *args)))
+        for m, i in enumerate(members):
+            rows[i] = (len(jobs) - 1, m)
+    return jobs, rows
 
 
 # -- fit_many: K models, several per device ------------------------------------------------
@@ -1484,11 +1553,11 @@ def fit_many(
     used = min(k_models, len(targets.names))
     targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
     platform, per = targets.devices[0].platform, -(-k_models // used)
-    spec = _spec(opts, d, c, platform, False, targets.spmd, rows=n, models=per, held=n * used)
+    spec = _spec(opts, d, c, platform, False, rows=n, models=per, held=n * used)
     if opts.solver == "auto" and spec.solver == "newton" and platform == "cpu":
         # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
         # simulated device; L-BFGS needs no factorisation.
-        spec = _spec(opts._replace(solver="lbfgs"), d, c, platform, False, targets.spmd, n, per, n * used)
+        spec = _spec(opts._replace(solver="lbfgs"), d, c, platform, False, n, per, n * used)
     chunks = [per] * used if targets.spmd else list(_parallel.shares(k_models, used))
     padded = sum(chunks)
     order = list(range(k_models)) + [k_models - 1] * (padded - k_models)  # repeats the last model
@@ -1507,36 +1576,35 @@ def fit_many(
                 _names("X", "y", "rows", "init w", "init b", "l2"),
             )
             placed, host_events = _parallel.place_spmd(batch, targets, tuple(chunks))
-            program = _mapped_program(spec, targets.devices, "models", _REPL if counts is None else _MODELS)
+            omega_spec = _REPL if counts is None else _MODELS
+            devices = targets.devices
+            args = (*placed, *_scalars(opts, dtype, devices))
             t0 = time.perf_counter()
-            out = program(*placed, *_scalars(opts, run, dtype, spec, targets.devices))
-            _record(host_events, out, t0)
-            out = _progress.wait(out, run, opts.progress)
-            first, device = targets.names[0], targets.devices[0]
-            out = Fit(*place(list(out), first, device, "gather", {"from": "+".join(targets.names)}))
+            jobs = [_mapped_job(spec, devices, "models", args, omega_spec)]
+            _record(host_events, jobs[0].out, t0)
+            rows = [(0, j) for j in range(k_models)]
         else:
-            outs, start = [], 0
+            jobs, start, rows = [], 0, []
             for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
                 part = slice(start, start + m)
                 start += m
                 om = omega if counts is None else omega[:, part]
                 args = place([X, y_idx, om, W0[:, part], b0[part], pen[part]], ctx, device, "replicate")
-                scalars = (*_scalars(opts, run, dtype)[:3], np.int32(i))
-                outs.append(_local_program(spec)(*args, *scalars))
-            outs = _progress.wait(outs, run, opts.progress)
-            first, device = targets.names[0], targets.devices[0]
-            moved = [Fit(*place(list(o), first, device, "gather")) for o in outs]
-            out = Fit(
-                jnp.concatenate([o.W for o in moved], axis=1),
-                jnp.concatenate([o.b for o in moved]),
-                jnp.concatenate([o.hist for o in moved]),
-                jnp.concatenate([o.its for o in moved]),
-                jnp.concatenate([o.gmax for o in moved]),
-                jnp.concatenate([o.conv for o in moved]),
-            )
+                program = functools.partial(_local_program(spec), *args, *_scalars(opts, dtype))
+                jobs.append(_Job(spec, program))
+                rows += [(i, j) for j in range(m)]
+            rows = rows[:k_models]
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
+        facts = _drive(jobs, run, opts.progress, lambda fits: _facts(fits, rows), owners)
+        first, device = targets.names[0], targets.devices[0]
+        if targets.spmd:
+            got = {"from": "+".join(targets.names)}
+            out = Fit(*place(list(jobs[0].result), first, device, "gather", got))
+        else:
+            moved = [Fit(*place(list(job.result), first, device, "gather")) for job in jobs]
+            fields = zip(*moved, strict=True)  # W's models run along axis 1, the rest along axis 0
+            out = Fit(*(jnp.concatenate(f, axis=1 if k == 0 else 0) for k, f in enumerate(fields)))
         labels = [f"model {j}" for j in range(k_models)]
-        facts = _facts([out], [(0, j) for j in range(k_models)])
         _conclude(run, facts, labels, owners, where, spec.solver, ([X], ["X"]))
     finally:
         run.close()

@@ -1,12 +1,11 @@
-"""Long-running steps: step events from inside compiled loops, and waiting with a progress bar.
+"""Long-running steps: step events between a fit's calls, and waiting with a progress bar.
 
-A fit compiles its whole loop into one program. About every tenth of a second of work (the
-caller sets the interval in iterations) the program calls ``report`` on the host
-(``jax.debug.callback``), which records a ``step`` event in the ledger for the context that
-reported; the caller records each context's final step once the work is done (it fetches the
-results anyway). The caller waits in ``wait``, on its own thread, which shows a progress bar
-once the work has run for a second (a widget in notebooks, text elsewhere, through tqdm,
-imported only then). Nothing here runs on the compute path except the callback.
+A fit compiles its loop into one program. One that may run long is called in chunks of about
+a tenth of a second of work each (the caller sets the length in iterations); between calls the
+caller records a ``step`` event in the ledger for each context (``Run.steps``), and once the
+work is done each context's last step. The caller waits in ``wait``, on a helper thread, which
+shows a progress bar once the work has run for a second (a widget in notebooks, text
+elsewhere, through tqdm, imported only then). Nothing here runs on the compute path.
 """
 
 from __future__ import annotations
@@ -38,8 +37,6 @@ class Run:
     """
 
     _ids = itertools.count(1)
-    _live: ClassVar[dict[int, Run]] = {}
-    _lock = threading.Lock()
 
     def __init__(self, what: str, names, devices, samples, models, total: int | None):
         self.id = next(Run._ids)
@@ -50,25 +47,18 @@ class Run:
         self._last = {i: (self.start, 0) for i in range(len(self.names))}
         self.iteration, self.loss, self.grad = 0, float("nan"), float("nan")
         self.bar: Any = None  # the progress bar ``wait`` drew, closed by ``close``
-        with Run._lock:
-            Run._live[self.id] = self
 
     def close(self) -> None:
-        """Ends the run: later reports are ignored, and the bar shows the last step and closes."""
-        with Run._lock:
-            Run._live.pop(self.id, None)
+        """Ends the run: the bar shows the last step and closes."""
         bar, self.bar = self.bar, None
         if bar is not None:
             _update(bar, self)
             bar.close()
 
-    def step(self, ctx: int, iteration: int, loss: np.ndarray, grad: np.ndarray, final: bool = False) -> None:
-        """Records one ``step`` event for context ``ctx`` at ``iteration``."""
-        ledger().record(self._event(ctx, iteration, loss, grad, final))
-
-    def finals(self, steps: list[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
-        """Records the last step of each context, ``(ctx, iteration, loss, grad)``, at once."""
-        ledger().record([self._event(*step, final=True) for step in steps])
+    def steps(self, steps: list[tuple[int, int, np.ndarray, np.ndarray]], final: bool = False) -> None:
+        """Records one ``step`` event per context, ``(ctx, iteration, loss, grad)``, at once
+        (``final``: the work is done, these are the contexts' last steps)."""
+        ledger().record([self._event(*step, final=final) for step in steps])
 
     def _event(self, ctx: int, iteration: int, loss: Any, grad: Any, final: bool) -> Event:
         now = time.perf_counter()
@@ -93,21 +83,6 @@ class Run:
             self.iteration, self.loss, self.grad = int(iteration), info["loss"], info["grad"]
         name, dev = self.names[ctx], self.devices[ctx]
         return Event("step", name, name, dev, dev, 0, time.time() - seconds, seconds, self.label, info)
-
-
-def report(run: Any, ctx: Any, iteration: Any, loss: Any, grad: Any) -> None:
-    """The host side of ``jax.debug.callback`` in a compiled loop: one step event per context
-    (``ctx`` is one context index, or one per model when a program fits several contexts' models)."""
-    live = Run._live.get(int(np.asarray(run)))
-    if live is None:  # a run the caller stopped waiting for (Ctrl-C) reports nothing
-        return
-    ctx, it = np.asarray(ctx), int(np.asarray(iteration))
-    if ctx.ndim == 0:
-        live.step(int(ctx), it, loss, grad)
-        return
-    loss, grad = np.asarray(loss), np.asarray(grad)
-    for m, i in enumerate(ctx.tolist()):
-        live.step(i, it, loss[m : m + 1], grad[m : m + 1])
 
 
 class _Waiter:
@@ -152,14 +127,15 @@ class _Waiter:
 
 def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
     """Waits for ``outputs`` on a helper thread, so the caller stays responsive (Ctrl-C works)
-    and can draw a bar: after a second of work when ``progress`` is None, at once when True,
-    never when False. Returns the outputs, or raises what computing them raised. The bar stays
-    open until ``run.close()``, so it can show the last step, which the caller records."""
+    and can draw a bar: once the run has lasted a second when ``progress`` is None, at once when
+    True, never when False. Returns the outputs, or raises what computing them raised. The bar
+    stays open until ``run.close()``, through the run's later waits, so it can show the last
+    step, which the caller records."""
     finished = threading.Event()
     failure: list[BaseException] = []
     _Waiter.get().put(outputs, finished, failure)
-    bar = None
-    show_at = None if progress is False else time.perf_counter() + (0.0 if progress else _DELAY)
+    bar, run.bar = run.bar, None
+    show_at = None if progress is False else run.start + (0.0 if progress else _DELAY)
     try:
         while not finished.wait(_REFRESH if show_at is not None else None):
             if bar is None and time.perf_counter() >= show_at:
@@ -168,8 +144,6 @@ def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
                 _update(bar, run)
         if bar is None and progress and not failure:  # finished before the first look: show it done
             bar = _bar(run)
-        if run.total is not None and not failure:  # a fixed number of steps: all done
-            run.iteration = run.total
     except BaseException:
         if bar is not None:
             bar.close()

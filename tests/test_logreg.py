@@ -97,7 +97,7 @@ def test_c_maps_to_l2(small):
 
 def test_short_sums_skip_the_tree_split_on_cpus_only():
     opts = _logreg._options("auto", None, 1e-5, 0.1, False, "test")
-    spec = functools.partial(_logreg._spec, opts, reduce=False, mapped=False, models=1, held=400)
+    spec = functools.partial(_logreg._spec, opts, reduce=False, models=1, held=400)
     assert spec(784, 1, "cpu", rows=400).short_sums  # seed 000
     assert spec(100, 1, "cpu", rows=12_500).short_sums  # 100k rows over 8 contexts
     assert not spec(100, 1, "cpu", rows=100_000).short_sums  # one context's 100k-row sums are split
@@ -108,7 +108,7 @@ def test_short_sums_skip_the_tree_split_on_cpus_only():
     args = (
         np.ones((400, 784), np.float32), np.zeros(400, np.int32), np.ones((400, 1), np.float32),
         np.zeros((784, 1, 1), np.float32), np.zeros((1, 1), np.float32), np.full(1, 0.01, np.float32),
-        np.float32(1e-5), np.float32(0.1), np.int32(0), np.int32(0),
+        np.float32(1e-5), np.float32(0.1),
     )  # fmt: skip
     assert "reduce-window" not in short.lower(*args).compile().as_text()
     assert "reduce-window" in long.lower(*args).compile().as_text()
@@ -361,6 +361,58 @@ def test_step_events_per_context(small, monkeypatch):
     assert all(e.info["samples_per_second"] > 0 for e in final if e.info["iteration"])
     # Every iteration is reported from inside the loop; the last one comes from the host.
     assert {e.info["iteration"] for e in steps} == set(range(1, final[0].info["iteration"] + 1))
+
+
+def _every_layout(X, y, kw):
+    """One fit of each layout: data-parallel, one SPMD per-device program, several models per
+    device in one SPMD program, then per-device programs of contexts sharing a device (stacked
+    and alone) and fit_many without SPMD. Returns {layout: Model or {context: Model}}."""
+    data = {"dev0": (X, y), "dev1": (X[::-1].copy(), 1 - y), "dev2": (X * 2, y)}
+    out = {
+        "fit": lr.fit(X, y, **kw),
+        "per device": lr.fit_per_device(data, **kw),
+        "many": lr.fit_many(X, y, **{**kw, "l2": [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 0.02, 0.05, 0.2, 2.0]}),
+    }
+    mg.use_contexts("a->cpu0;b->cpu0;c->cpu1", verbose=False)
+    out["shared"] = lr.fit_per_device(dict(zip("abc", data.values(), strict=True)), **kw)
+    out["many shared"] = lr.fit_many(X, y, **{**kw, "l2": [0.01, 0.1, 1.0]})
+    mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(8)), verbose=False)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # gd: fixed steps
+@pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
+def test_a_fit_in_many_calls_equals_one_call_in_every_layout(small, solver, monkeypatch):
+    X, y = small
+    kw = {"l2": 0.01, "solver": solver} | ({"max_iter": 40} if solver == "gd" else {})
+    whole = _every_layout(X, y, kw)
+    assert not mg.ledger().records("step") or all(e.info["final"] for e in mg.ledger().records("step"))
+    mg.ledger().clear()
+    monkeypatch.setattr(_logreg, "_every", lambda *a, **k: 3)  # a call runs 3 iterations at most
+    chunked = _every_layout(X, y, kw)
+    for layout, got in chunked.items():
+        want = whole[layout]
+        pairs = [(got, want)] if isinstance(got, lr.Model) else [(got[k], want[k]) for k in want]
+        for g, w in pairs:
+            np.testing.assert_allclose(np.asarray(g.w), np.asarray(w.w), atol=1e-6, err_msg=layout)
+            np.testing.assert_allclose(np.asarray(g.b), np.asarray(w.b), atol=1e-6, err_msg=layout)
+            np.testing.assert_array_equal(np.asarray(g.info.iterations), np.asarray(w.info.iterations))
+            np.testing.assert_array_equal(np.asarray(g.info.converged), np.asarray(w.info.converged))
+            np.testing.assert_allclose(g.info.history(), w.info.history(), rtol=1e-6, err_msg=layout)
+    # between calls the host records each context's step: every third iteration, then the last
+    steps = [e for e in mg.ledger().records("step") if e.info["what"].startswith("logreg.fit ")]
+    last = int(chunked["fit"].info.iterations)
+    assert sorted({e.info["iteration"] for e in steps if not e.info["final"]}) == list(range(3, last, 3))
+    assert {e.src for e in steps if e.info["final"]} == {f"dev{i}" for i in range(8)}
+
+
+def test_a_fit_in_many_calls_stops_at_once_on_nan(monkeypatch):
+    monkeypatch.setattr(_logreg, "_every", lambda *a, **k: 2)
+    X = np.ones((20, 3))
+    X[3, 1] = np.nan
+    for solver in ("gd", "lbfgs"):
+        with pytest.raises(ValueError, match=r"X has 1 NaN or infinite value\(s\), the first at row 3"):
+            lr.fit(X, np.arange(20) % 2, solver=solver, max_iter=10**6, progress=False)
 
 
 def test_a_fit_shorter_than_the_report_interval_reports_its_last_step_only(small):
