@@ -114,6 +114,14 @@ def test_short_sums_skip_the_tree_split_on_cpus_only():
     assert "reduce-window" in long.lower(*args).compile().as_text()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 101])
+def test_the_gradient_sum_in_halves_is_the_sum_over_rows(n):
+    rng = np.random.default_rng(n)
+    X, r = rng.standard_normal((n, 4)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    got = jax.jit(_logreg._halves_sum)(X, r)
+    np.testing.assert_allclose(np.asarray(got), (X * r[:, None]).sum(0), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # gd: fixed steps
 @pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
 def test_one_and_eight_contexts_give_the_same_model(small, solver):
