@@ -1383,9 +1383,9 @@ def fit_per_device(
                 _split(blocks[device], c) for device, (_, c) in zip(targets.devices, shapes, strict=True)
             ]
         else:
-            jobs, rows = _per_device_local(parts, starts, penalties, targets, specs, opts, dtype)
-            facts = _drive(jobs, run, opts.progress, lambda fits: _facts(fits, rows), owners)
-            fits = [(jobs[j].result, m) for j, m in rows]
+            jobs, slots = _per_device_local(parts, starts, penalties, targets, specs, opts, dtype)
+            facts = _drive(jobs, run, opts.progress, lambda fits: _facts(fits, slots), owners)
+            fits = [(jobs[j].result, m) for j, m in slots]
             arrays = [_pieces(f.W, f.b, m, c) for (f, m), (_, c) in zip(fits, shapes, strict=True)]
         data = ([X for X, _, _ in parts], [f"X for context {nm!r}" for nm in targets.names])
         names = list(targets.names)
@@ -1465,7 +1465,7 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> 
         groups.setdefault((targets.devices[i], spec, X.shape), []).append(i)
     scalars = _scalars(opts, dtype)
     jobs: list[_Job] = []
-    rows: list = [None] * len(parts)
+    slots: list = [None] * len(parts)
     for (device, spec, _), members in groups.items():
         Xs = tuple(place([parts[i][0]], targets.names[i], device, "put")[0] for i in members)
         y = np.stack([parts[i][1] for i in members], axis=1)  # (n, M): one copy for the group
@@ -1481,8 +1481,8 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> 
             program, args = _stacked_program(spec), (Xs, *rest, *scalars)
         jobs.append(_Job(spec, functools.partial(program, *args)))
         for m, i in enumerate(members):
-            rows[i] = (len(jobs) - 1, m)
-    return jobs, rows
+            slots[i] = (len(jobs) - 1, m)
+    return jobs, slots
 
 
 # -- fit_many: K models, several per device ------------------------------------------------
@@ -1594,20 +1594,21 @@ def fit_many(
             t0 = time.perf_counter()
             jobs = [_mapped_job(spec, devices, "models", args, omega_spec)]
             _record(host_events, jobs[0].out, t0)
-            rows = [(0, j) for j in range(k_models)]
+            slots = [(0, j) for j in range(k_models)]  # (job, model in its fit) of each model
         else:
-            jobs, start, rows = [], 0, []
+            jobs, start, slots = [], 0, []
+            scalars = _scalars(opts, dtype)
             for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
                 part = slice(start, start + m)
                 start += m
                 om = omega if counts is None else omega[:, part]
                 args = place([X, y_idx, om, W0[:, part], b0[part], pen[part]], ctx, device, "replicate")
-                program = functools.partial(_local_program(spec), *args, *_scalars(opts, dtype))
+                program = functools.partial(_local_program(spec), *args, *scalars)
                 jobs.append(_Job(spec, program))
-                rows += [(i, j) for j in range(m)]
-            rows = rows[:k_models]
+                slots += [(i, j) for j in range(m)]
+            slots = slots[:k_models]
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
-        facts = _drive(jobs, run, opts.progress, lambda fits: _facts(fits, rows), owners)
+        facts = _drive(jobs, run, opts.progress, lambda fits: _facts(fits, slots), owners)
         first, device = targets.names[0], targets.devices[0]
         if targets.spmd:
             got = {"from": "+".join(targets.names)}

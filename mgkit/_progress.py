@@ -10,7 +10,6 @@ elsewhere, through tqdm, imported only then). Nothing here runs on the compute p
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -36,10 +35,7 @@ class Run:
       total: iterations at most (the bar's length), or None when the work stops earlier.
     """
 
-    _ids = itertools.count(1)
-
     def __init__(self, what: str, names, devices, samples, models, total: int | None):
-        self.id = next(Run._ids)
         self.what, self.names, self.devices = what, tuple(names), tuple(devices)
         self.samples, self.models, self.total = tuple(samples), tuple(models), total
         self.label = execution_label()
