@@ -29,7 +29,6 @@ import dataclasses
 import functools
 import math
 import numbers
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -41,9 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 from . import _contexts, _devices, _parallel, _progress
 from ._contexts import HOST
-from ._ledger import ledger
 from ._parallel import AXIS, Batch, Targets
-from ._transfer import concrete, place, staged
+from ._transfer import place, staged
 
 _HI = jax.lax.Precision.HIGHEST
 _SOLVERS = ("auto", "newton", "lbfgs", "gd")
@@ -1229,7 +1227,7 @@ def fit(
     if padded and omega is None:
         omega = np.ones((n, 1), dtype)
     start = bool(W0.any() or b0.any())  # else the start from zeros is made on the devices
-    (X_placed,), host_events = _parallel.place_spmd(Batch([X], None, (0,), n, _names("X")), targets, sizes)
+    (X_placed,) = _parallel.place_spmd(Batch([X], None, (0,), n, _names("X")), targets, sizes)
     parts = {
         "y": (y_idx, 0),
         "sample_weight": (omega, 0) if weighted else None,
@@ -1241,7 +1239,7 @@ def fit(
     batch = Batch(
         [parts[nm][0] for nm in names], None, tuple(parts[nm][1] for nm in names), n, _names(*names)
     )
-    placed, _ = _parallel.place_spmd(batch, targets, sizes, own=True)  # arrays made here: no private copies
+    placed = _parallel.place_spmd(batch, targets, sizes, own=True)  # arrays made here: no private copies
     got = dict(zip(names, placed, strict=True))
     if padded:  # padding rows repeat a real row: zero their weight
         keep = np.zeros((k * max(sizes), 1), dtype)
@@ -1251,9 +1249,7 @@ def fit(
     args = (*placed, *_scalars(opts, dtype, devices))
     owners = [list(range(k))]  # every context holds the one model
     try:
-        t0 = time.perf_counter()
         job = _mapped_job(spec, devices, "rows", args)
-        _record(host_events, job.out, t0)
         facts = _drive([job], run, opts.progress, lambda fits: _facts(fits, [(0, 0)]), owners)
         _conclude(run, facts, [""], owners, where, spec.solver, ([X], ["X"]))
     finally:
@@ -1274,12 +1270,6 @@ def _weights(w: Any, n: int, where: str) -> np.ndarray:
     if w.sum() <= 0:
         raise ValueError(f"{where}: sample_weight sums to 0; at least one row needs a positive weight")
     return w.astype(_dtype())
-
-
-def _record(events: list, out: Any, t0: float) -> None:
-    """Records the events of host arrays the program's call copied, once its outputs are ready."""
-    if events:
-        ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
 
 
 # -- fit_per_device: one model per context -------------------------------------------------
@@ -1445,7 +1435,7 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, dtype) -> _J
     # Made here, never the caller's: no private copy. Row weights (all one) and a start from
     # zeros are made on the devices.
     rows = _per_device_rows(parts, penalties, starts, dtype)
-    (rows,), _ = _parallel.place_spmd(
+    (rows,) = _parallel.place_spmd(
         Batch([rows], None, (0,), len(rows), _names("labels, l2 and start")),
         targets,
         (len(rows) // k,) * k,
@@ -1587,13 +1577,11 @@ def fit_many(
                 padded,
                 _names("X", "y", "rows", "init w", "init b", "l2"),
             )
-            placed, host_events = _parallel.place_spmd(batch, targets, tuple(chunks))
+            placed = _parallel.place_spmd(batch, targets, tuple(chunks))
             omega_spec = _REPL if counts is None else _MODELS
             devices = targets.devices
             args = (*placed, *_scalars(opts, dtype, devices))
-            t0 = time.perf_counter()
             jobs = [_mapped_job(spec, devices, "models", args, omega_spec)]
-            _record(host_events, jobs[0].out, t0)
             slots = [(0, j) for j in range(k_models)]  # (job, model in its fit) of each model
         else:
             jobs, start, slots = [], 0, []

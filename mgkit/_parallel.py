@@ -557,37 +557,34 @@ def _sharding(devices: tuple[jax.Device, ...], axis_name: str, ax: int | None) -
 
 def place_spmd(
     batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS, own: bool = False
-) -> tuple[list, list[Event]]:
+) -> list:
     """Lays the leaves out for one SPMD program: split leaves part i on device i (padded to
     equal parts when the sizes differ), shared leaves on every device.
 
-    Device arrays are moved here, and recorded; host arrays are left for the program's call to
-    copy straight to every device (faster than a separate put), except those bound for CPU
-    devices, which go through a private copy (``stageable``); their events are returned so
-    the caller records them when the program's outputs are ready. Leaves already laid out are
-    not moved. ``own``: the host leaves are arrays the caller made for this call (never the
-    user's, so no private copy is needed); they are moved here with the device arrays, in one
-    placement.
+    Host and device arrays are moved here, in one placement, and recorded once they land (timed
+    from the start of the move, so a copy's seconds are its own, not the program's). A host
+    array bound for CPU devices goes through a private copy (``stageable``) unless ``own``: the
+    host leaves are arrays the caller made for this call, never the user's. Leaves already laid
+    out are not moved.
     """
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
     staged = _is_abstract(batch.leaves)
     out = list(batch.leaves)
-    moving, shardings, moves, host_moves = [], [], [], []
+    moving, shardings, moves = [], [], []
+    t0, start = time.perf_counter(), time.time()
     for i, (leaf, ax) in enumerate(zip(batch.leaves, batch.axes, strict=True)):
         value = concrete(leaf)
         if padded and ax is not None:
             out[i] = _take(leaf, index, ax)
-        if isinstance(value, _HOST_TYPES) and not own:
-            if not staged:
-                host_moves.append((value, ax))
-                # A part handed to the program's call keeps the caller's buffer when it
-                # happens to be aligned, and an output passing it through would share it.
-                if stageable(out[i], targets.devices):
-                    out[i] = jax.device_put(private_copy(out[i]), _sharding(targets.devices, axis_name, ax))
-            continue
         sharding = _sharding(targets.devices, axis_name, ax)
-        if (
+        if isinstance(value, _HOST_TYPES):
+            if staged and not own:  # traced: left to the program, as constants
+                continue
+            if not staged and not own and stageable(out[i], targets.devices):
+                # device_put keeps an aligned host array's buffer: never the caller's own
+                out[i] = private_copy(out[i])
+        elif (
             not padded
             and isinstance(value, jax.Array)
             and value.sharding.is_equivalent_to(sharding, value.ndim)
@@ -601,16 +598,14 @@ def place_spmd(
         shardings.append(sharding)
         if not staged:
             moves.append((value, ax))
-    start = time.time()
     if moving:
-        t0 = time.perf_counter()
         placed = jax.device_put([out[i] for i in moving], shardings)
         for i, p in zip(moving, placed, strict=True):
             out[i] = p
         if not staged:
             events = _spmd_events(moves, targets, sizes, start)
             ledger().record_when_ready(events, [concrete(p) for p in placed], t0)
-    return out, _spmd_events(host_moves, targets, sizes, start) if host_moves else []
+    return out
 
 
 _HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
@@ -689,13 +684,13 @@ def _explained(call: Callable, *args: Any) -> Any:
 
 def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     """One SPMD program over the contexts' mesh; parts padded to equal size and trimmed."""
-    placed, host_events = place_spmd(batch, targets, sizes)
+    placed = place_spmd(batch, targets, sizes)
     program = _spmd_program(fn, batch, out_axes, targets, where)
     start, t0 = time.time(), time.perf_counter()
     out = _explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if not _is_abstract(batch.leaves):
-        events = host_events + _run_events(targets, sizes, fn, "spmd", start, batch.n)
+        events = _run_events(targets, sizes, fn, "spmd", start, batch.n)
         ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
     padded = len(set(sizes)) > 1
     if not padded and to is None:
@@ -1015,7 +1010,7 @@ def pmap(
                 f"{tuple(np.shape(batch.leaves[i]))}), but there are {targets.describe()}; pmap takes "
                 f"exactly one slice per context (use mg.parallel to split a batch of any size)"
             )
-        placed, host_events = place_spmd(batch, targets, (1,) * k, axis_name)
+        placed = place_spmd(batch, targets, (1,) * k, axis_name)
         program = _PROGRAMS.get(
             ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices),
             lambda: _pmap_program(fn, batch, out_axes, targets, axis_name),
@@ -1025,7 +1020,7 @@ def pmap(
         if not _is_abstract(batch.leaves):
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
-            events = host_events + _run_events(targets, (1,) * k, fn, "pmap", start, k)
+            events = _run_events(targets, (1,) * k, fn, "pmap", start, k)
             ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
         return out
 

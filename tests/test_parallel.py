@@ -178,6 +178,19 @@ def test_large_host_inputs_for_cpu_devices_go_through_a_private_copy(contexts, m
     assert staged == [x[:64].nbytes]
 
 
+def test_a_host_split_is_timed_by_its_copy_not_by_the_program_it_feeds():
+    def slow(x):  # some 40 ms of work per call on a 2-core host, plus its compile on the first
+        m = jnp.eye(128, dtype=x.dtype) * 0.5
+        return x + jax.lax.fori_loop(0, 40, lambda i, a: a @ m + x.sum(), jnp.ones((128, 128), x.dtype)).sum()
+
+    mg.make_parallel(slow, x=np.ones((16, 4), np.float32))
+    mg.ledger().flush()
+    run = mg.ledger().records("run")[0]
+    splits = mg.ledger().records("split")
+    assert len(splits) == N and sum(e.nbytes for e in splits) == 16 * 4 * 4
+    assert max(e.seconds for e in splits) < run.seconds / 4
+
+
 def test_uneven_spmd_batch_is_gathered_on_the_first_context():
     out = mg.make_parallel(lambda x: x + 1, x=np.zeros(13, np.float32))
     assert mg.where(out) == "dev0" and out.shape == (13,)
