@@ -1040,11 +1040,16 @@ def _steps(facts: Facts, owners, last: np.ndarray) -> list[tuple]:
 class _Job:
     """One compiled fit's calls: ``call()`` starts it; a chunked fit's call ends after
     ``spec.every`` iterations, and ``call(state)`` goes on from the state the last call
-    returned, until no model runs on."""
+    returned, until no model runs on. ``contexts``: the indices of the contexts whose models
+    it fits (None: all); ``work``: its last call's work (``_progress.start``)."""
 
-    def __init__(self, spec: Spec, call: Callable) -> None:
-        self.spec, self.call = spec, call
-        self.out = call()
+    def __init__(self, spec: Spec, call: Callable, contexts: Sequence[int] | None = None) -> None:
+        self.spec, self.call, self.contexts = spec, call, contexts
+        self.work = _progress.start(call)
+
+    @property
+    def out(self) -> Any:
+        return self.work.out
 
     @property
     def result(self) -> Any:
@@ -1056,7 +1061,8 @@ class _Job:
         return bool(np.asarray(more).any())
 
     def resume(self) -> None:
-        self.out = self.call(self.out[1])
+        state = self.out[1]
+        self.work = _progress.start(lambda: self.call(state))
 
 
 def _mapped_job(spec: Spec, devices: tuple, layout: str, args: tuple, omega_spec: Any = None) -> _Job:
@@ -1073,15 +1079,20 @@ def _drive(jobs: list[_Job], run: _progress.Run, progress, facts_of: Callable, o
     second) and resumes the chunked ones while a model runs on, recording each context's step
     between calls. Returns the facts of the last calls, ``facts_of(results)``, which fetches
     them at once: a fit within one call (the usual case) costs one fetch."""
+    for job in jobs:
+        run.begin(job.work.began, job.contexts)
     while True:
-        _progress.wait([job.out for job in jobs], run, progress)
+        _progress.wait([job.work for job in jobs], run, progress)
+        for job in jobs:
+            run.end(job.work.ended, job.contexts)
         facts = facts_of([job.result for job in jobs])
         if not facts.more.any():
             return facts
         run.steps(_steps(facts, owners, _last(facts)))
         for job in jobs:
             if job.spec.chunked and job.running():
-                job.resume()
+                job.resume()  # the first resumption compiles the resuming program
+                run.begin(job.work.began, job.contexts)
 
 
 def _conclude(run: _progress.Run, facts: Facts, labels, owners, where, solver, data) -> None:
@@ -1469,7 +1480,7 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> 
             program, args = _local_program(spec), (Xs[0], *rest, *scalars)
         else:
             program, args = _stacked_program(spec), (Xs, *rest, *scalars)
-        jobs.append(_Job(spec, functools.partial(program, *args)))
+        jobs.append(_Job(spec, functools.partial(program, *args), members))
         for m, i in enumerate(members):
             slots[i] = (len(jobs) - 1, m)
     return jobs, slots
@@ -1592,7 +1603,7 @@ def fit_many(
                 om = omega if counts is None else omega[:, part]
                 args = place([X, y_idx, om, W0[:, part], b0[part], pen[part]], ctx, device, "replicate")
                 program = functools.partial(_local_program(spec), *args, *scalars)
-                jobs.append(_Job(spec, program))
+                jobs.append(_Job(spec, program, [i]))
                 slots += [(i, j) for j in range(m)]
             slots = slots[:k_models]
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]

@@ -3,8 +3,9 @@
 A fit compiles its loop into one program. One that may run long is called in chunks of about
 a tenth of a second of work each (the caller sets the length in iterations); between calls the
 caller records a ``step`` event in the ledger for each context (``Run.steps``), and once the
-work is done each context's last step. The caller waits in ``wait``, on a helper thread, which
-shows a progress bar once the work has run for a second (a widget in notebooks, text
+work is done each context's last step. Each call's work is watched by a helper thread from
+its start (``start``, ``Work``); the caller waits in ``wait``, which shows a progress bar once
+the work has run for a second (a widget in notebooks, text
 elsewhere, through tqdm, imported only then). Nothing here runs on the compute path.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
@@ -41,8 +43,21 @@ class Run:
         self.label = execution_label()
         self.start = time.perf_counter()
         self._last = {i: (self.start, 0) for i in range(len(self.names))}
+        self._ends: dict[int, float] = {}  # when each context's work was seen done, once known
         self.iteration, self.loss, self.grad = 0, float("nan"), float("nan")
         self.bar: Any = None  # the progress bar ``wait`` drew, closed by ``close``
+
+    def begin(self, at: float, contexts=None) -> None:
+        """The work of ``contexts`` (all when None) began, or went on, on the devices at ``at``
+        (``time.perf_counter``): their next step is timed from there."""
+        for ctx in range(len(self.names)) if contexts is None else contexts:
+            self._last[ctx] = (at, self._last[ctx][1])
+
+    def end(self, at: float, contexts=None) -> None:
+        """The work of ``contexts`` (all when None) was seen done at ``at``: their next step is
+        timed to there (else to when it is recorded)."""
+        for ctx in range(len(self.names)) if contexts is None else contexts:
+            self._ends[ctx] = at
 
     def close(self) -> None:
         """Ends the run: the bar shows the last step and closes."""
@@ -57,7 +72,7 @@ class Run:
         ledger().record([self._event(*step, final=final) for step in steps])
 
     def _event(self, ctx: int, iteration: int, loss: Any, grad: Any, final: bool) -> Event:
-        now = time.perf_counter()
+        now = self._ends.pop(ctx, None) or time.perf_counter()
         t_prev, it_prev = self._last.get(ctx, (self.start, 0))
         self._last[ctx] = (now, iteration)
         seconds = max(now - t_prev, 1e-9)
@@ -81,11 +96,48 @@ class Run:
         return Event("step", name, name, dev, dev, 0, time.time() - seconds, seconds, self.label, info)
 
 
+def start(call: Callable[[], Any]) -> Work:
+    """Calls ``call()``, which starts work on the devices, and returns the ``Work``. It began
+    when the call returned if the call traced and compiled the program first (that takes
+    seconds, and a step's rate must not count it), else when the call was made (the devices
+    start at once; the call returns while they work)."""
+    if not _compiles:
+        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        _compiles.append(0)
+    compiles, began = _compiles[0], time.perf_counter()
+    out = call()
+    return Work(out, time.perf_counter() if _compiles[0] != compiles else began)
+
+
+_compiles: list[int] = []  # [programs traced or compiled so far], once counting
+
+
+def _count_compile(event: str, duration: float, **kwargs: Any) -> None:
+    if event.startswith("/jax/core/compile/"):
+        _compiles[0] += 1
+
+
+class Work:
+    """Work in flight on the devices: its outputs ``out``, when it began (``time.perf_counter``)
+    and, once a helper thread has seen it done, when (``ended``) or what computing it raised
+    (``failure``). The thread watches from the start, so each piece of work gets its own end
+    even when several run at once and the caller waits for them in turn."""
+
+    __slots__ = ("began", "done", "ended", "failure", "out")
+
+    def __init__(self, out: Any, began: float | None = None) -> None:
+        self.out, self.began = out, time.perf_counter() if began is None else began
+        self.ended: float | None = None
+        self.failure: BaseException | None = None
+        self.done = threading.Event()
+        _Waiter.get().put(self)
+
+
 class _Waiter:
-    """A daemon thread that waits for the outputs handed to it, kept for the next wait once done.
+    """A daemon thread that waits for the work handed to it, kept for the next once done.
     Starting a thread for every wait cost about a millisecond: the new thread must first be
     scheduled, while the program it waits for keeps every core busy. A wait that is still
-    blocked (its caller stopped with Ctrl-C) keeps its thread; the next wait gets another. A
+    blocked (its caller stopped with Ctrl-C) keeps its thread; the next work gets another. A
     kept waiter whose thread is gone (a process forked from this one has none) is dropped."""
 
     _idle: ClassVar[list[_Waiter]] = []
@@ -105,51 +157,50 @@ class _Waiter:
                     return waiter
         return cls()
 
-    def put(self, outputs: Any, finished: threading.Event, failure: list) -> None:
-        self._jobs.put((outputs, finished, failure))
+    def put(self, work: Work) -> None:
+        self._jobs.put(work)
 
     def _run(self) -> None:
         while True:
-            outputs, finished, failure = self._jobs.get()
+            work = self._jobs.get()
             try:
-                jax.block_until_ready(outputs)
+                jax.block_until_ready(work.out)
+                work.ended = time.perf_counter()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                failure.append(e)
+                work.failure = e
             with _Waiter._lock:
                 _Waiter._idle.append(self)
-            finished.set()
-            outputs = finished = failure = None  # hold no results (or errors) between waits
+            work.done.set()
+            work = None  # hold no results (or errors) between waits
 
 
-def wait(outputs: Any, run: Run, progress: bool | None) -> Any:
-    """Waits for ``outputs`` on a helper thread, so the caller stays responsive (Ctrl-C works)
+def wait(works: list[Work], run: Run, progress: bool | None) -> None:
+    """Waits until each piece of work is done, so the caller stays responsive (Ctrl-C works)
     and can draw a bar: once the run has lasted a second when ``progress`` is None, at once when
-    True, never when False. Returns the outputs, or raises what computing them raised. The bar
-    stays open until ``run.close()``, through the run's later waits, so it can show the last
-    step, which the caller records."""
-    finished = threading.Event()
-    failure: list[BaseException] = []
-    _Waiter.get().put(outputs, finished, failure)
+    True, never when False. Raises what computing the work raised. The bar stays open until
+    ``run.close()``, through the run's later waits, so it can show the last step, which the
+    caller records."""
     bar, run.bar = run.bar, None
     show_at = None if progress is False else run.start + (0.0 if progress else _DELAY)
     try:
-        while not finished.wait(_REFRESH if show_at is not None else None):
-            if bar is None and time.perf_counter() >= show_at:
-                bar = _bar(run)
-            if bar is not None and bar.n != run.iteration:
-                _update(bar, run)
-        if bar is None and progress and not failure:  # finished before the first look: show it done
+        for work in works:
+            while not work.done.wait(_REFRESH if show_at is not None else None):
+                if bar is None and time.perf_counter() >= show_at:
+                    bar = _bar(run)
+                if bar is not None and bar.n != run.iteration:
+                    _update(bar, run)
+        failure = next((work.failure for work in works if work.failure is not None), None)
+        if bar is None and progress and failure is None:  # finished before the first look: show it done
             bar = _bar(run)
     except BaseException:
         if bar is not None:
             bar.close()
         raise
-    if failure:
+    if failure is not None:
         if bar is not None:
             bar.close()
-        raise failure[0]
+        raise failure
     run.bar = bar  # the caller records the last step, then ``run.close()`` shows it and closes
-    return outputs
 
 
 def _bar(run: Run) -> Any:

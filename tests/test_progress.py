@@ -1,7 +1,9 @@
-"""Waiting for a program's outputs: the waiting threads are kept and reused, a wait that never
-ends does not hold up the next one, and what computing the outputs raised reaches the caller."""
+"""Waiting for a program's outputs: the waiting threads are kept and reused, each piece of work
+is watched from its start, a wait that never ends does not hold up the next one, and what
+computing the outputs raised reaches the caller."""
 
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,28 +39,44 @@ def _waiters() -> list[threading.Thread]:
 def test_waits_reuse_one_thread():
     run = _run()
     x = jnp.arange(4.0)
-    np.testing.assert_array_equal(_progress.wait([x, x + 1], run, False)[1], np.arange(1.0, 5.0))
+    works = [_progress.Work(x), _progress.Work(x + 1)]
+    _progress.wait(works, run, False)
+    np.testing.assert_array_equal(works[1].out, np.arange(1.0, 5.0))
     gates = [Gate() for _ in range(4)]
     for gate in gates:
         gate.open.set()
-        assert _progress.wait([x, gate], run, False)[1] is gate
+        work = _progress.Work(gate)
+        _progress.wait([work], run, False)
+        assert work.out is gate and work.ended >= work.began
     assert len({id(g.thread) for g in gates}) == 1  # one thread served every wait
     assert gates[0].thread.name == "mgkit-wait" and gates[0].thread.is_alive()
+    run.close()
+
+
+def test_each_piece_of_work_is_watched_from_its_start():
+    run = _run()
+    first, second = Gate(), Gate()
+    works = [_progress.Work(first), _progress.Work(second)]
+    first.open.set()
+    assert works[0].done.wait(10) and not works[1].done.is_set()
+    time.sleep(0.05)
+    second.open.set()
+    _progress.wait(works[::-1], run, False)  # waited for in any order, each has its own end
+    assert works[1].ended - works[0].ended >= 0.05
     run.close()
 
 
 def test_a_wait_still_blocked_does_not_hold_up_the_next():
     run = _run()
     stuck = Gate()
-    first = threading.Thread(target=_progress.wait, args=(stuck, run, False), daemon=True)
-    first.start()
+    blocked = _progress.Work(stuck)
     assert stuck.entered.wait(10)  # a waiting thread is blocked on the gate
     later = Gate()
     later.open.set()
-    assert _progress.wait(later, run, False) is later  # served by another thread, at once
+    _progress.wait([_progress.Work(later)], run, False)  # served by another thread, at once
+    assert later.thread is not stuck.thread
     stuck.open.set()
-    first.join(10)
-    assert not first.is_alive()
+    _progress.wait([blocked], run, False)
     run.close()
 
 
@@ -67,9 +85,11 @@ def test_what_computing_raised_reaches_the_caller_and_the_thread_is_kept():
     failing = Gate(RuntimeError("the device failed"))
     failing.open.set()
     with pytest.raises(RuntimeError, match="the device failed"):
-        _progress.wait(failing, run, False)
+        _progress.wait([_progress.Work(failing)], run, False)
     count = len(_waiters())
-    assert _progress.wait(jnp.ones(3), run, False).shape == (3,)
+    work = _progress.Work(jnp.ones(3))
+    _progress.wait([work], run, False)
+    assert work.out.shape == (3,) and work.failure is None
     assert len(_waiters()) == count
     run.close()
 
@@ -86,7 +106,7 @@ def test_a_kept_waiter_whose_thread_is_gone_is_dropped():
     run = _run()
     gate = Gate()
     gate.open.set()
-    assert _progress.wait(gate, run, False) is gate
+    _progress.wait([_progress.Work(gate)], run, False)
     assert gate.thread is not gone._thread and gate.thread.is_alive()
     assert gone not in _progress._Waiter._idle
     run.close()
