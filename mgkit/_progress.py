@@ -102,7 +102,9 @@ def start(call: Callable[[], Any]) -> Work:
     seconds, and a step's rate must not count it), else when the call was made (the devices
     start at once; the call returns while they work)."""
     if not _compiles:
-        jax.monitoring.register_event_duration_secs_listener(_count_compile)
+        listen = getattr(jax.monitoring, "register_event_duration_secs_listener", None)
+        if listen is not None:  # else no call counts as compiling: a first step counts its compile
+            listen(_count_compile)
         _compiles.append(0)
     compiles, began = _compiles[0], time.perf_counter()
     out = call()
