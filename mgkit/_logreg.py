@@ -1238,8 +1238,8 @@ def fit(
     if padded and omega is None:
         omega = np.ones((n, 1), dtype)
     start = bool(W0.any() or b0.any())  # else the start from zeros is made on the devices
-    (X_placed,) = _parallel.place_spmd(Batch([X], None, (0,), n, _names("X")), targets, sizes)
     parts = {
+        "X": (X, 0),
         "y": (y_idx, 0),
         "sample_weight": (omega, 0) if weighted else None,
         "init w": (W0.reshape(d, 1, c).astype(dtype), None) if start else None,
@@ -1250,13 +1250,14 @@ def fit(
     batch = Batch(
         [parts[nm][0] for nm in names], None, tuple(parts[nm][1] for nm in names), n, _names(*names)
     )
-    placed = _parallel.place_spmd(batch, targets, sizes, own=True)  # arrays made here: no private copies
+    # one placement; the arrays made here (all but X) need no private copies
+    placed = _parallel.place_spmd(batch, targets, sizes, own=range(1, len(names)))
     got = dict(zip(names, placed, strict=True))
     if padded:  # padding rows repeat a real row: zero their weight
         keep = np.zeros((k * max(sizes), 1), dtype)
         keep[_parallel._padding(sizes)[1]] = 1
         got["sample_weight"] = got["sample_weight"] * keep
-    placed = [X_placed, *(got.get(nm) for nm in ("y", "sample_weight", "init w", "init b", "l2"))]
+    placed = [got.get(nm) for nm in ("X", "y", "sample_weight", "init w", "init b", "l2")]
     args = (*placed, *_scalars(opts, dtype, devices))
     owners = [list(range(k))]  # every context holds the one model
     try:
@@ -1615,7 +1616,7 @@ def fit_many(
         else:
             moved = [Fit(*place(list(job.result), first, device, "gather")) for job in jobs]
             fields = zip(*moved, strict=True)  # W's models run along axis 1, the rest along axis 0
-            out = Fit(*(jnp.concatenate(f, axis=1 if k == 0 else 0) for k, f in enumerate(fields)))
+            out = Fit(*(jnp.concatenate(f, axis=1 if j == 0 else 0) for j, f in enumerate(fields)))
         labels = [f"model {j}" for j in range(k_models)]
         _conclude(run, facts, labels, owners, where, spec.solver, ([X], ["X"]))
     finally:

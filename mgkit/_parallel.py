@@ -23,7 +23,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -556,17 +556,22 @@ def _sharding(devices: tuple[jax.Device, ...], axis_name: str, ax: int | None) -
 
 
 def place_spmd(
-    batch: Batch, targets: Targets, sizes: tuple[int, ...], axis_name: str = AXIS, own: bool = False
+    batch: Batch,
+    targets: Targets,
+    sizes: tuple[int, ...],
+    axis_name: str = AXIS,
+    own: bool | Collection[int] = False,
 ) -> list:
     """Lays the leaves out for one SPMD program: split leaves part i on device i (padded to
     equal parts when the sizes differ), shared leaves on every device.
 
     Host and device arrays are moved here, in one placement, and recorded once they land (timed
     from the start of the move, so a copy's seconds are its own, not the program's). A host
-    array bound for CPU devices goes through a private copy (``stageable``) unless ``own``: the
-    host leaves are arrays the caller made for this call, never the user's. Leaves already laid
-    out are not moved.
+    array bound for CPU devices goes through a private copy (``stageable``) unless it is the
+    caller's ``own`` (True: every leaf; else the leaves' indices), made for this call and never
+    the user's. Leaves already laid out are not moved.
     """
+    own = range(len(batch.leaves)) if own is True else own or ()
     padded = len(set(sizes)) > 1
     index = _padding(sizes)[0] if padded else None
     staged = _is_abstract(batch.leaves)
@@ -579,11 +584,12 @@ def place_spmd(
             out[i] = _take(leaf, index, ax)
         sharding = _sharding(targets.devices, axis_name, ax)
         if isinstance(value, _HOST_TYPES):
-            if staged and not own:  # traced: left to the program, as constants
-                continue
-            if not staged and not own and stageable(out[i], targets.devices):
-                # device_put keeps an aligned host array's buffer: never the caller's own
-                out[i] = private_copy(out[i])
+            if i not in own:
+                if staged:  # traced: left to the program, as constants
+                    continue
+                if stageable(out[i], targets.devices):
+                    # device_put keeps an aligned host array's buffer: never the user's own
+                    out[i] = private_copy(out[i])
         elif (
             not padded
             and isinstance(value, jax.Array)

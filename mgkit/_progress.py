@@ -5,8 +5,8 @@ a tenth of a second of work each (the caller sets the length in iterations); bet
 caller records a ``step`` event in the ledger for each context (``Run.steps``), and once the
 work is done each context's last step. Each call's work is watched by a helper thread from
 its start (``start``, ``Work``); the caller waits in ``wait``, which shows a progress bar once
-the work has run for a second (a widget in notebooks, text
-elsewhere, through tqdm, imported only then). Nothing here runs on the compute path.
+the work has run for a second (a widget in notebooks, text elsewhere, through tqdm, imported
+only then). Nothing here runs on the compute path.
 """
 
 from __future__ import annotations
