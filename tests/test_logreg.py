@@ -245,8 +245,10 @@ def test_per_device_equals_fitting_each_alone_on_shared_devices(small):
 @pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
 def test_contexts_sharing_a_device_fit_in_one_program(small, solver, monkeypatch):
     calls = []
-    stacked = _logreg._stacked_program
-    monkeypatch.setattr(_logreg, "_stacked_program", lambda spec: calls.append(spec) or stacked(spec))
+    program = _logreg._per_device_program
+    monkeypatch.setattr(
+        _logreg, "_per_device_program", lambda spec, stacked: calls.append(stacked) or program(spec, stacked)
+    )
     X, y = small
     rng = np.random.default_rng(5)
     mg.use_contexts("a->cpu0;b->cpu0;c->cpu0;d->cpu1", verbose=False)
@@ -261,7 +263,7 @@ def test_contexts_sharing_a_device_fit_in_one_program(small, solver, monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", lr.ConvergenceWarning)  # gd: a fixed number of steps
         models = lr.fit_per_device(data, l2=penalties, solver=solver, max_iter=steps)
-        assert len(calls) == 1  # a, b and c: one program on cpu0; d alone on cpu1
+        assert sorted(calls) == [False, True]  # a, b and c: one program on cpu0; d alone on cpu1
         for ctx, (Xc, yc) in data.items():
             alone = lr.fit(Xc, yc, l2=penalties[ctx], contexts=[ctx], solver=solver, max_iter=steps)
             np.testing.assert_allclose(np.asarray(models[ctx].w), np.asarray(alone.w), atol=1e-5)
@@ -390,6 +392,19 @@ def _every_layout(X, y, kw):
     return out
 
 
+def _assert_same_fits(got_layouts, want_layouts, atol=1e-6, rtol=1e-6):
+    """The fits of ``_every_layout``, compared: weights, iterations, convergence and history."""
+    for layout, got in got_layouts.items():
+        want = want_layouts[layout]
+        pairs = [(got, want)] if isinstance(got, lr.Model) else [(got[k], want[k]) for k in want]
+        for g, w in pairs:
+            np.testing.assert_allclose(np.asarray(g.w), np.asarray(w.w), atol=atol, err_msg=layout)
+            np.testing.assert_allclose(np.asarray(g.b), np.asarray(w.b), atol=atol, err_msg=layout)
+            np.testing.assert_array_equal(np.asarray(g.info.iterations), np.asarray(w.info.iterations))
+            np.testing.assert_array_equal(np.asarray(g.info.converged), np.asarray(w.info.converged))
+            np.testing.assert_allclose(g.info.history(), w.info.history(), rtol=rtol, err_msg=layout)
+
+
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # gd: fixed steps
 @pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
 def test_a_fit_in_many_calls_equals_one_call_in_every_layout(small, solver, monkeypatch):
@@ -400,20 +415,49 @@ def test_a_fit_in_many_calls_equals_one_call_in_every_layout(small, solver, monk
     mg.ledger().clear()
     monkeypatch.setattr(_logreg, "_every", lambda *a, **k: 3)  # a call runs 3 iterations at most
     chunked = _every_layout(X, y, kw)
-    for layout, got in chunked.items():
-        want = whole[layout]
-        pairs = [(got, want)] if isinstance(got, lr.Model) else [(got[k], want[k]) for k in want]
-        for g, w in pairs:
-            np.testing.assert_allclose(np.asarray(g.w), np.asarray(w.w), atol=1e-6, err_msg=layout)
-            np.testing.assert_allclose(np.asarray(g.b), np.asarray(w.b), atol=1e-6, err_msg=layout)
-            np.testing.assert_array_equal(np.asarray(g.info.iterations), np.asarray(w.info.iterations))
-            np.testing.assert_array_equal(np.asarray(g.info.converged), np.asarray(w.info.converged))
-            np.testing.assert_allclose(g.info.history(), w.info.history(), rtol=1e-6, err_msg=layout)
+    _assert_same_fits(chunked, whole)
     # between calls the host records each context's step: every third iteration, then the last
     steps = [e for e in mg.ledger().records("step") if e.info["what"].startswith("logreg.fit ")]
     last = int(chunked["fit"].info.iterations)
     assert sorted({e.info["iteration"] for e in steps if not e.info["final"]}) == list(range(3, last, 3))
     assert {e.src for e in steps if e.info["final"]} == {f"dev{i}" for i in range(8)}
+
+
+@pytest.mark.parametrize("case", ["lbfgs", "newton, classes", "backtracking"])
+def test_step_lengths_tried_at_once_equal_the_backtracking_loop(small, case, monkeypatch):
+    # Accelerators try every step length at once (no loop inside the iteration); CPUs halve
+    # the step in a loop. Forced here on the CPU, the two fit the same models in every layout.
+    X, y = small
+    kw = {"l2": 0.01, "solver": case.split(",")[0] if case != "backtracking" else "lbfgs"}
+    if case == "backtracking":  # one huge value: first step lengths fail, and are halved
+        X = np.vstack([X, [[1e4, 0, 0, 0, 0]]]).astype(np.float32)
+        y, kw["l2"] = np.r_[(X[:-1, 0] > 0).astype(int), 0], 0.0
+    elif case.endswith("classes"):
+        y = np.digitize(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.5]), [-1, 0, 1])
+    loop = _every_layout(X, y, kw)
+    spec = _logreg._spec
+    monkeypatch.setattr(_logreg, "_spec", lambda *a, **k: spec(*a, **k)._replace(batched_search=True))
+    at_once = _every_layout(X, y, kw)
+    if case != "backtracking":
+        _assert_same_fits(at_once, loop, atol=1e-5, rtol=1e-5)
+        return
+    # The intercept is ill-conditioned here (an unpenalised outlier): float rounding, summed
+    # in another order, moves the path by an iteration. Both reach the same objective.
+    for layout, got in at_once.items():
+        got, want = (got, loop[layout]) if isinstance(got, dict) else ({0: got}, {0: loop[layout]})
+        for k in want:
+            assert np.all(np.asarray(got[k].info.converged)), layout
+            np.testing.assert_allclose(got[k].info.history()[-1], want[k].info.history()[-1], rtol=1e-5)
+    monkeypatch.setattr(_logreg, "_BACKTRACKS", 0)  # no halving: the fit stalls at once
+    stalled = lr.fit(X, y, **kw, contexts=1)
+    assert int(stalled.info.iterations) < int(at_once["fit"].info.iterations) // 4
+
+
+def test_step_lengths_are_tried_at_once_on_accelerators_where_the_trials_are_few():
+    opts = _logreg._options("lbfgs", None, 1e-5, 0.1, False, "test")
+    assert _logreg._spec(opts, 784, 1, "gpu", False, rows=400, models=8, held=3200).batched_search
+    assert not _logreg._spec(opts, 784, 1, "cpu", False, rows=400, models=8, held=3200).batched_search
+    assert not _logreg._spec(opts, 100, 1, "gpu", False, rows=10**6, models=1, held=10**6).batched_search
 
 
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")
