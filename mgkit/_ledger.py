@@ -22,6 +22,21 @@ from ._table import Table, html_table, human_bytes, text_table
 log = logging.getLogger("mgkit")
 
 
+def _timed(events: list[Event], seconds: float) -> list[Event]:
+    """``events`` that completed together after ``seconds``, each given its share: all of them
+    where it is the only event between its two contexts, else its part of the bytes that
+    went between them (an equal part where none did)."""
+    links: dict[tuple[str, str], list[int]] = {}
+    for e in events:
+        links.setdefault((e.src, e.dst), []).append(e.nbytes)
+    out = []
+    for e in events:
+        sizes = links[(e.src, e.dst)]
+        share = 1.0 if len(sizes) == 1 else e.nbytes / sum(sizes) if sum(sizes) else 1.0 / len(sizes)
+        out.append(e._replace(seconds=seconds * share))
+    return out
+
+
 class Event(NamedTuple):
     """One thing mgkit did.
 
@@ -190,15 +205,16 @@ class Ledger:
     def record_when_ready(self, event: Event | list[Event], arrays: list, t0: float) -> None:
         """Records ``event`` (or several events that share one completion) once ``arrays`` are
         ready, timed from ``t0`` (``time.perf_counter``) to completion, without making the
-        caller wait.
+        caller wait. Events between one pair of contexts (a split and a replicate to one
+        context in one placement) share the seconds in proportion to their bytes, so the link's
+        seconds are counted once; events on different pairs each get them all.
 
         Work that is already complete is timed and recorded at once; work still running is
         handed to a watcher thread that waits for it.
         """
         events = [event] if isinstance(event, Event) else event
         if all(a.is_ready() for a in arrays):
-            seconds = time.perf_counter() - t0
-            self._record_all([e._replace(seconds=seconds) for e in events])
+            self._record_all(_timed(events, time.perf_counter() - t0))
             return
         with self._lock:
             self._inflight += len(events)
@@ -220,9 +236,9 @@ class Ledger:
                     seconds, info = time.perf_counter() - t0, None
                 except Exception as e:  # noqa: BLE001 - failed work is recorded, not lost
                     seconds, info = time.perf_counter() - t0, {"error": repr(e)}
-                for event in events:
+                for event in _timed(events, seconds):
                     extra = {} if info is None else {"info": {**(event.info or {}), **info}}
-                    done.append(event._replace(seconds=seconds, **extra))
+                    done.append(event._replace(**extra))
             del batch, arrays
             try:
                 self._record_all(done)

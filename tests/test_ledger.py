@@ -125,6 +125,29 @@ def test_copy_time_is_measured_off_the_callers_path():
     assert event.seconds >= finished * 0.5
 
 
+@pytest.mark.parametrize("running", [False, True])
+def test_events_between_one_pair_of_contexts_share_their_placement_s_seconds(running):
+    # One placement moved a split and a replicate to dev0 and a split to dev1, together: the
+    # host -> dev0 link's seconds are counted once, shared by bytes; dev1's are its own.
+    led = Ledger()
+    x = jnp.ones((256, 256))
+    y = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda i, b: jnp.tanh(b @ b), a))(x) if running else x
+    t0 = time.perf_counter() - 0.2
+    events = [
+        _event(src="host", dst="dev0", nbytes=3000, kind="split"),
+        _event(src="host", dst="dev0", nbytes=1000, kind="replicate"),
+        _event(src="host", dst="dev1", nbytes=3000, kind="split"),
+        _event(i=1, src="host", dst="dev2", nbytes=0, kind="replicate"),
+        _event(i=2, src="host", dst="dev2", nbytes=0, kind="replicate"),
+    ]
+    led.record_when_ready(events, [y], t0)
+    assert led.flush(timeout=30)
+    split0, rep0, split1, none1, none2 = (e.seconds for e in led.records())
+    assert split1 >= 0.2
+    assert split0 == pytest.approx(3 * rep0) and split0 + rep0 == pytest.approx(split1)
+    assert none1 == none2 == pytest.approx(split1 / 2)
+
+
 def test_many_threads_recording_at_once():
     led = Ledger(capacity=100_000)
 
