@@ -334,8 +334,9 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, resume=None) -> Fit | tu
     """Fits M models on local rows; with ``spec.reduce`` the rows are one shard of the data.
 
     X: (n, d), or (M, n, d) with ``spec.stacked`` (each model its own rows); y: (n,) class
-    indices, or (n, M) stacked; omega: (n, 1 or M) row weights (0 for padding); W0: (d, M, c);
-    b0: (M, c); l2: (M,); tol, lr: scalars.
+    indices, or (n, M) stacked; omega: (n, 1 or M) row weights (0 for padding), or None (every
+    row weighs one); W0: (d, M, c) and b0: (M, c), or None (start from zeros); l2: (M,); tol,
+    lr: scalars.
 
     A chunked fit (``spec.chunked``) runs ``spec.every`` iterations at most and returns its
     results with its state packed (``_pack``); ``resume`` is a state so returned, to go on from
@@ -343,9 +344,13 @@ def solve(spec: Spec, X, y, omega, W0, b0, l2, tol, lr, resume=None) -> Fit | tu
     callback runs inside the program, so every call takes jit's fast path.
     """
     n, d = X.shape[-2:]
-    M, c = b0.shape
+    M, c = l2.shape[0], spec.c
     K = M * c
-    dtype = W0.dtype
+    dtype = l2.dtype
+    if W0 is None:
+        W0, b0 = jnp.zeros((d, M, c), dtype), jnp.zeros((M, c), dtype)
+    if omega is None:
+        omega = jnp.ones((n, 1), dtype)
     X = X.astype(dtype)
     # Rows run along the last axis of every per-row array (scores (M, c, n), labels and weights
     # (M or 1, n)): XLA's CPU backend reduces and maps a contiguous row axis several times
@@ -668,8 +673,7 @@ def _per_device_program(spec: Spec, stacked: bool) -> Callable:
         n, d = X[0].shape if stacked else X.shape
         y, l2, W0, b0 = _unrows(rows, n, d, spec.c)
         X, y = (jnp.stack(X), y) if stacked else (X, y[:, 0])
-        omega = jnp.ones((n, 1), l2.dtype)
-        return solve(spec._replace(stacked=stacked), X, y, omega, W0, b0, l2, tol, lr, *resume)
+        return solve(spec._replace(stacked=stacked), X, y, None, W0, b0, l2, tol, lr, *resume)
 
     return _parallel._PROGRAMS.get(
         ("logreg", "per device", spec, stacked),
@@ -679,13 +683,13 @@ def _per_device_program(spec: Spec, stacked: bool) -> Callable:
 
 def _unrows(rows: jax.Array, n: int, d: int, c: int) -> tuple:
     """``_per_device_rows``' (M, L) rows (traced) -> y (n, M) class indices, l2 (M,) and the
-    start, W0 (d, M, c) and b0 (M, c): zeros unless the rows carry one."""
+    start, W0 (d, M, c) and b0 (M, c): None (zeros) unless the rows carry one."""
     M = rows.shape[0]
     y, l2 = rows[:, :n].T.astype(jnp.int32), rows[:, n]
     if rows.shape[1] > n + 1:  # a start other than zeros
         W0 = rows[:, n + 1 : n + 1 + d * c].reshape(M, d, c).transpose(1, 0, 2)
         return y, l2, W0, rows[:, n + 1 + d * c :].reshape(M, c)
-    return y, l2, jnp.zeros((d, M, c), rows.dtype), jnp.zeros((M, c), rows.dtype)
+    return y, l2, None, None
 
 
 # Partition specs per layout, for (X, y, omega, W0, b0, l2) and the outputs.
@@ -718,12 +722,7 @@ def _mapped_program(
         if spec.chunked:
             out_specs = (out_specs, _ROWS)
 
-        def body(X, y, omega, W0, b0, l2, tol, lr, *resumed):
-            dtype = l2.dtype
-            if omega is None:  # every row weighs one
-                omega = jnp.ones((X.shape[0], 1), dtype)
-            if W0 is None:  # start from zeros
-                W0, b0 = jnp.zeros((X.shape[1], 1, spec.c), dtype), jnp.zeros((1, spec.c), dtype)
+        def body(X, y, omega, W0, b0, l2, tol, lr, *resumed):  # omega, W0, b0 None: ones, zeros
             out = solve(spec, X, y, omega, W0, b0, l2, tol, lr, *(r[0] for r in resumed))
             fit, packed = out if spec.chunked else (out, None)
             if layout == "devices":
