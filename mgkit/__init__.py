@@ -7,9 +7,6 @@
 'dev1'
 """
 
-from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
-from importlib.metadata import version as _version
-
 from . import logreg as logreg
 from ._contexts import ContextMap as ContextMap
 from ._contexts import context_map as context_map
@@ -38,11 +35,7 @@ from ._transfer import put as put
 from ._transfer import synchronize as synchronize
 from ._transfer import transfer as transfer
 from ._transfer import where as where
-
-try:
-    __version__ = _version("mgkit")
-except _PackageNotFoundError:  # pragma: no cover - running from a source tree without install
-    __version__ = "0+unknown"
+from ._version import __version__ as __version__
 
 __all__ = [
     "ContextError",

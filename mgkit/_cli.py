@@ -12,10 +12,10 @@ _DEFAULT_SIMULATED = 8
 
 def _prepare(simulate: int | None) -> None:
     """Gives JAX simulated CPU devices before anything starts it (always harmless on a GPU machine)."""
-    import mgkit as mg
+    from ._devices import simulate as simulate_devices
 
     n = simulate or int(os.environ.get("MGKIT_SIMULATE") or _DEFAULT_SIMULATED)
-    mg.simulate(n)
+    simulate_devices(n)
 
 
 def tour(args: argparse.Namespace) -> int:
@@ -34,10 +34,10 @@ def tour(args: argparse.Namespace) -> int:
 
 
 def devices_cmd(args: argparse.Namespace) -> int:
-    import mgkit as mg
+    from ._devices import devices
 
     _prepare(args.simulate)
-    print(mg.devices())
+    print(devices())
     return 0
 
 
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        import mgkit
+        from ._version import __version__
 
-        print(mgkit.__version__)
+        print(__version__)
         return 0
     if args.command is None:
         parser.print_help()

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 
 from . import _devices
-from ._errors import ContextError
+from ._errors import ContextError, DeviceMismatchError
 
 _RESERVED_PREFIXES = ("cuda", "opencl", "cpu", "gpu", "tpu", "rocm")
 _OPENCL = re.compile(r"^opencl\d+(:\d+)?$", re.IGNORECASE)
@@ -342,8 +342,6 @@ class on(contextlib.ContextDecorator):  # noqa: N801 - reads like a keyword: `wi
         _local.stack.pop()
         self._scopes.pop().__exit__(exc_type, exc, tb)
         if exc is not None:
-            from ._transfer import explain_incompatible
-
             better = explain_incompatible(exc)
             if better is not None:
                 raise better from exc
@@ -367,3 +365,28 @@ def current() -> str | None:
         dev = jax.devices()[0]
     names = by_device.get(dev, ())
     return names[0] if names else None
+
+
+_INCOMPATIBLE = re.compile(r"argument (\S+) of (\S+) with shape (\S+) and with device ids \[([\d, ]+)\]")
+
+
+def explain_incompatible(exc: BaseException) -> Exception | None:
+    """Rewrites JAX's "incompatible devices" error in terms of context names, else None."""
+    text = str(exc)
+    if not isinstance(exc, ValueError) or "incompatible devices" not in text:
+        return None
+    by_id = {d.id: d for _, d in _devices.all_devices()}
+    parts, names = [], []
+    for arg, op, shape, ids in _INCOMPATIBLE.findall(text):
+        devs = [by_id[int(i)] for i in ids.split(",") if int(i) in by_id]
+        ctx = "+".join(sorted({name_of(d) for d in devs})) or f"device ids [{ids}]"
+        names.append(ctx)
+        parts.append(f"argument {arg} of {op} ({shape}) is on {ctx}")
+    if not parts:
+        return None
+    return DeviceMismatchError(
+        "arrays on different contexts were combined in one operation: "
+        + "; ".join(parts)
+        + f". Move them onto one context first, e.g. a, b = mg.colocate(a, b, to={names[0]!r}), "
+        "or mg.transfer(x, ctx)."
+    )

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import jax
 
 from ._errors import ContextError
+from ._numbers import whole
 from ._table import Table, human_bytes
 
 # Platforms whose devices get short names, in display order (accelerators first).
@@ -56,13 +57,7 @@ def simulate(n: int) -> None:
     >>> import mgkit as mg
     >>> mg.simulate(8)
     """
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(
-            f"simulate(n) takes an int number of CPU devices, got {n!r} of type "
-            f"{type(n).__name__}; call it as mg.simulate(8)."
-        )
-    if n < 1:
-        raise ValueError(f"simulate(n) needs at least 1 CPU device, got n={n}; call it as mg.simulate(8).")
+    n = whole(n, "n", "simulate", lo=1, example=8, note="the number of CPU devices")
     if not backend_started():
         jax.config.update("jax_num_cpu_devices", n)
         _clear_caches()

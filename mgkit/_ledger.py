@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _contexts
+from ._numbers import whole
 from ._table import Table, html_table, human_bytes, text_table
 
 log = logging.getLogger("mgkit")
@@ -161,9 +163,7 @@ class Ledger:
 
     @staticmethod
     def _check_capacity(capacity: int) -> int:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"ledger capacity must be a positive int, got {capacity!r}; e.g. 10_000")
-        return capacity
+        return whole(capacity, "capacity", "Ledger", lo=1, example=10_000, note="events kept")
 
     @property
     def capacity(self) -> int:
@@ -287,8 +287,6 @@ class Ledger:
         self.flush()
         with self._lock:
             totals = dict(self._totals)
-        from . import _contexts
-
         names = list(_contexts.context_map().names)
         for _, s, d in totals:
             for n in (s, d):

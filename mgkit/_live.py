@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ import weakref
 from typing import Any
 
 from ._ledger import Event, Ledger, ledger
+from ._numbers import real, whole
 
 log = logging.getLogger("mgkit")
 
@@ -36,32 +36,13 @@ TICK = 0.05  # seconds between the refresh thread's looks at its views
 
 def check_count(value: Any, name: str, where: str, lo: int, hi: int, example: int) -> int:
     """``value`` as an int in ``lo..hi``, else a clear TypeError / ValueError."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{where}: {name} must be a whole number from {lo} to {hi}, got {type(value).__name__} "
-            f"{value!r}; e.g. {name}={example}"
-        )
-    if not lo <= value <= hi:
-        raise ValueError(
-            f"{where}: {name}={value} is out of range; use a whole number from {lo} to {hi}, "
-            f"e.g. {name}={example}"
-        )
-    return value
+    return whole(value, name, where, lo=lo, hi=hi, example=example)
 
 
 def check_rate(rate: Any, where: str) -> float:
     """Refreshes per second: a real number above 0 and at most MAX_RATE."""
-    if isinstance(rate, bool) or not isinstance(rate, int | float):
-        raise TypeError(
-            f"{where}: rate is refreshes per second, a number above 0 and at most {MAX_RATE:g}, "
-            f"got {rate!r}; e.g. rate=10"
-        )
-    if not (math.isfinite(rate) and 0 < rate <= MAX_RATE):
-        raise ValueError(
-            f"{where}: rate={rate!r} refreshes per second is out of range; use a number above 0 and at "
-            f"most {MAX_RATE:g} (the UI updates at most ~{MAX_RATE:g} times a second), e.g. rate=2"
-        )
-    return float(rate)
+    note = f"refreshes per second; the UI updates at most ~{MAX_RATE:g} times a second"
+    return real(rate, "rate", where, lo=0, above=True, hi=MAX_RATE, example=2, note=note)
 
 
 def check_ledger(value: Any, where: str) -> Ledger:

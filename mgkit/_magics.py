@@ -251,9 +251,9 @@ class MgkitMagics(Magics):
 
     def _dashboard(self, args: list[str]) -> None:
         _expect("dashboard", args, 0)
-        import mgkit
+        from ._widgets import Dashboard
 
-        display(mgkit.Dashboard())
+        display(Dashboard())
 
     def _ledger(self, args: list[str]) -> None:
         for i, arg in enumerate(args):

@@ -33,10 +33,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _contexts, _devices
-from ._contexts import ContextMap
+from ._contexts import ContextMap, explain_incompatible
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
-from ._transfer import concrete, explain_incompatible, leaves_of, place, private_copy, stageable, target
+from ._transfer import concrete, leaves_of, place, private_copy, stageable, target
 
 AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
 _REDUCE_HINT = (

@@ -72,17 +72,18 @@ def report(out: str) -> None:
 
     Runs in the tour's kernel after the last cell, so it reads that kernel's ledger.
     """
-    import mgkit as mg
+    from ._ledger import ledger
+    from ._widgets import Dashboard
 
-    dash = mg.Dashboard(widget=False, live=False)
+    dash = Dashboard(widget=False, live=False)
     views = (dash, dash.devices, dash.transfers, dash.throughput)
     for name, view in zip(PICTURES, views, strict=True):
         view.save_png(os.path.join(out, name))
     print(dash.header.text(), dash.devices.text(), dash.throughput.text(), sep="\n\n")
     print()
-    print(mg.ledger().summary())
+    print(ledger().summary())
     print()
-    print(mg.ledger().matrix())
+    print(ledger().matrix())
     dash.close()
 
 

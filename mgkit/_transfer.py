@@ -6,7 +6,6 @@ import concurrent.futures
 import functools
 import numbers
 import os
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ import numpy as np
 
 from . import _contexts, _devices
 from ._contexts import HOST
-from ._errors import ContextError, DeviceMismatchError
+from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
 
 _HOST_TARGETS = ("cpu", "host")
@@ -362,28 +361,3 @@ def synchronize(ctx: str | jax.Device | None = None) -> None:
     jax.block_until_ready(pending)
     if ctx is None:
         ledger().flush()
-
-
-_INCOMPATIBLE = re.compile(r"argument (\S+) of (\S+) with shape (\S+) and with device ids \[([\d, ]+)\]")
-
-
-def explain_incompatible(exc: BaseException) -> Exception | None:
-    """Rewrites JAX's "incompatible devices" error in terms of context names, else None."""
-    text = str(exc)
-    if not isinstance(exc, ValueError) or "incompatible devices" not in text:
-        return None
-    by_id = {d.id: d for _, d in _devices.all_devices()}
-    parts, names = [], []
-    for arg, op, shape, ids in _INCOMPATIBLE.findall(text):
-        devs = [by_id[int(i)] for i in ids.split(",") if int(i) in by_id]
-        ctx = "+".join(sorted({_contexts.name_of(d) for d in devs})) or f"device ids [{ids}]"
-        names.append(ctx)
-        parts.append(f"argument {arg} of {op} ({shape}) is on {ctx}")
-    if not parts:
-        return None
-    return DeviceMismatchError(
-        "arrays on different contexts were combined in one operation: "
-        + "; ".join(parts)
-        + f". Move them onto one context first, e.g. a, b = mg.colocate(a, b, to={names[0]!r}), "
-        "or mg.transfer(x, ctx)."
-    )

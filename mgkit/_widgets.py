@@ -479,7 +479,7 @@ class Header(LiveView):
         """mgkit and JAX versions, backend, devices per platform, simulated or not, the context map."""
         import jax
 
-        from . import __version__
+        from ._version import __version__
 
         platforms = collections.Counter(name.rstrip("0123456789") for name in _devices.device_names())
         cpus = platforms.get("cpu", 0)

@@ -102,12 +102,12 @@ def test_bad_mgkit_simulate_environment_variable():
 @pytest.mark.parametrize(
     ("n", "error", "message"),
     [
-        (0, ValueError, "needs at least 1 CPU device, got n=0"),
-        (-1, ValueError, "needs at least 1 CPU device, got n=-1"),
-        ("8", TypeError, "got '8' of type str"),
-        (2.0, TypeError, "got 2.0 of type float"),
-        (True, TypeError, "got True of type bool"),
-        (None, TypeError, "got None of type NoneType"),
+        (0, ValueError, "simulate: n=0 is out of range; n must be a whole number at least 1"),
+        (-1, ValueError, "simulate: n=-1 is out of range"),
+        ("8", TypeError, "simulate: n must be a whole number at least 1 .*got str '8'; e.g. n=8"),
+        (2.0, TypeError, "got float 2.0"),
+        (True, TypeError, "got bool True"),
+        (None, TypeError, "got NoneType None"),
     ],
 )
 def test_simulate_bad_arguments(n, error, message):

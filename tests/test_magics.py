@@ -132,7 +132,9 @@ def test_dashboard_displays_what_mgkit_dashboard_returns(shell, monkeypatch):
         made.append(Board())
         return made[-1]
 
-    monkeypatch.setattr(mg, "Dashboard", dashboard, raising=False)
+    import mgkit._widgets
+
+    monkeypatch.setattr(mgkit._widgets, "Dashboard", dashboard)
     _, out = ok(shell, "%mgkit dashboard")
     assert len(made) == 1 and [o.data["text/plain"] for o in out.outputs] == ["the dashboard"]
 
@@ -274,7 +276,7 @@ BAD = [
     ("%mgkit simulate four", "'four' is not a whole number of CPU devices; usage: %mgkit simulate N"),
     ("%mgkit simulate -2", "'-2' is not a whole number of CPU devices"),
     ("%mgkit simulate 2 3", "%mgkit simulate: unexpected argument(s) '3'; usage: %mgkit simulate N"),
-    ("%mgkit simulate 0", "%mgkit simulate 0: simulate(n) needs at least 1 CPU device, got n=0"),
+    ("%mgkit simulate 0", "%mgkit simulate 0: simulate: n=0 is out of range; n must be a whole number"),
     ("%mgkit contexts dev0", "mapping 'dev0' in 'dev0' has no '->'; write it as 'name->device'"),
     ("%mgkit contexts dev0->cpu99", "context 'dev0' -> device 'cpu99' does not exist"),
     ("%mgkit contexts cpu->cpu0", "context name 'cpu' in mapping 'cpu->cpu0' begins with 'cpu'"),

@@ -68,3 +68,64 @@ def test_docstring_examples_run(module):
     mod = mg if module == "__init__" else importlib.import_module(f"mgkit.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (at the top or inside a function), read from
+    the source: ``mgkit._ledger`` -> {``mgkit._contexts``, ...}; the package root is ``mgkit``."""
+    import ast
+
+    root = Path(mg.__path__[0])
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        found = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "mgkit"}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    target = f"{base}.{node.module}" if node.module else base
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != "mgkit":
+                    continue
+                for alias in node.names:  # `from . import _contexts` names a module
+                    sub = f"{target}.{alias.name}"
+                    found.add(
+                        sub
+                        if (root.parent / Path(*sub.split("."))).exists()
+                        or (root.parent / Path(*sub.split("."))).with_suffix(".py").exists()
+                        else target
+                    )
+        found.discard(name)
+    return graph
+
+
+def test_no_module_imports_the_package_root():
+    """Inside the package, names come from the module that defines them, never through
+    ``mgkit/__init__.py`` (which imports everything: a module importing it runs in a half-made package)."""
+    offenders = {m for m, deps in _package_imports().items() if m != "mgkit" and "mgkit" in deps}
+    assert not offenders, f"these modules import the package root: {sorted(offenders)}"
+
+
+def test_package_imports_have_no_cycle():
+    graph = {m: deps - {"mgkit"} for m, deps in _package_imports().items() if m != "mgkit"}
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycle = [*path[path.index(d) :], d] if d in path else [m, d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
