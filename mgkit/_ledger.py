@@ -142,6 +142,51 @@ class Matrix:
         return html_table(*self._rows(), title="bytes moved (row: from, column: to)")
 
 
+class _Subscription:
+    """One subscriber and how often it raised: the first error is logged with its traceback,
+    later ones only counted, with a line at the 10th, 100th, 1000th, ... and a total when the
+    subscriber leaves."""
+
+    __slots__ = ("_next_note", "callback", "errors")
+
+    def __init__(self, callback: Callable[[Event], None]):
+        self.callback = callback
+        self.errors = 0
+        self._next_note = 10
+
+    def failed(self) -> None:
+        """Called inside the ``except`` block of the subscriber's error."""
+        self.errors += 1
+        if self.errors == 1:
+            log.exception(
+                "mgkit ledger subscriber %r raised; the ledger keeps recording and calling it. Later "
+                "errors from this subscriber are counted, not logged one by one",
+                self.callback,
+            )
+        elif self.errors == self._next_note:
+            self._next_note *= 10
+            log.warning(
+                "mgkit ledger subscriber %r has raised %d times (last: %s)",
+                self.callback,
+                self.errors,
+                _last_error(),
+            )
+
+    def summarize(self) -> None:
+        if self.errors > 1:
+            log.warning(
+                "mgkit ledger subscriber %r was unsubscribed after raising %d times in all "
+                "(the first error's traceback was logged when it happened)",
+                self.callback,
+                self.errors,
+            )
+
+
+def _last_error() -> str:
+    err = sys.exc_info()[1]
+    return f"{type(err).__name__}: {err}" if err is not None else "unknown"
+
+
 class Ledger:
     """A bounded, thread-safe record of events with live subscribers.
 
@@ -154,7 +199,7 @@ class Ledger:
         self._lock = threading.RLock()
         self._events: collections.deque[Event] = collections.deque(maxlen=self._check_capacity(capacity))
         self._totals: dict[tuple[str, str, str], list[float]] = {}
-        self._subscribers: list[Callable[[Event], None]] = []
+        self._subscribers: list[_Subscription] = []
         self._pending: queue.Queue = queue.Queue()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
@@ -196,11 +241,11 @@ class Ledger:
                 tot[2] += event.seconds
             subscribers = list(self._subscribers) if self._subscribers else ()
         for event in events if subscribers else ():
-            for callback in subscribers:
+            for sub in subscribers:
                 try:
-                    callback(event)
-                except Exception:
-                    log.exception("mgkit ledger subscriber %r raised; the ledger keeps recording", callback)
+                    sub.callback(event)
+                except Exception:  # noqa: BLE001 - a broken view must not stop the recording
+                    sub.failed()
 
     def record_when_ready(self, event: Event | list[Event], arrays: list, t0: float) -> None:
         """Records ``event`` (or several events that share one completion) once ``arrays`` are
@@ -308,17 +353,23 @@ class Ledger:
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
         """Calls ``callback(event)`` for every new event, on the thread that records it.
 
-        Returns a function that unsubscribes. A callback that raises is logged and kept.
+        Returns a function that unsubscribes. A callback that raises is kept: its first error
+        is logged with its traceback, later ones are counted (a line at the 10th, 100th, ...
+        error, and the total when it is unsubscribed), so a broken view cannot flood the log
+        or slow the recording.
         """
         if not callable(callback):
             raise TypeError(f"subscribe() takes a callable taking one Event, got {callback!r}")
+        sub = _Subscription(callback)
         with self._lock:
-            self._subscribers.append(callback)
+            self._subscribers.append(sub)
 
         def unsubscribe() -> None:
             with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
+                if sub not in self._subscribers:
+                    return
+                self._subscribers.remove(sub)
+            sub.summarize()
 
         return unsubscribe
 

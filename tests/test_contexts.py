@@ -167,6 +167,41 @@ def test_default_map_names_every_cpu_device_without_accelerators():
     assert r.stdout.strip() == "dev0->cpu0;dev1->cpu1;dev2->cpu2"
 
 
+class _CountedDevices(tuple):
+    """A device list that counts the entries every scan of it reads, and stops a scan that reads
+    more than ``limit`` in all (a quadratic build would read n * n)."""
+
+    reads = 0
+    limit = 0
+
+    def __iter__(self):
+        for item in super().__iter__():
+            type(self).reads += 1
+            if type(self).reads > type(self).limit:
+                raise AssertionError(f"the default map read more than {type(self).limit} device entries")
+            yield item
+
+
+@pytest.mark.parametrize("n", [1_000, 5_000])
+def test_default_map_over_thousands_of_devices_is_built_in_linear_work(monkeypatch, n):
+    from mgkit import _contexts, _devices
+
+    class FakeDevice:
+        def __init__(self, i):
+            self.id = i
+
+    devices = _CountedDevices((f"cuda{i}", FakeDevice(i)) for i in range(n))
+    monkeypatch.setattr(_CountedDevices, "reads", 0)
+    monkeypatch.setattr(_CountedDevices, "limit", 10 * n)
+    monkeypatch.setattr(_devices, "_all_devices", lambda: devices)
+    monkeypatch.setattr(_contexts, "_installed", None)  # restored afterwards: the next test's map
+    monkeypatch.delenv("MGKIT_CONTEXTS", raising=False)
+    cmap = mg.context_map()  # builds and installs the default map, as on first use
+    assert len(cmap) == n and cmap[f"dev{n - 1}"] == f"cuda{n - 1}"
+    assert mg.device_of(f"dev{n - 1}") is devices[n - 1][1]
+    assert _CountedDevices.reads <= 4 * n  # a few scans of the list, not one per device
+
+
 def test_mgkit_contexts_env_gives_the_default_map():
     from tests.conftest import run_python
 

@@ -92,6 +92,35 @@ def test_a_raising_subscriber_is_logged_and_the_ledger_keeps_working(caplog):
         unsubscribe()
 
 
+def test_a_raising_subscriber_is_logged_once_then_counted(caplog):
+    led = mg.Ledger()
+    calls = []
+
+    def broken(event):
+        calls.append(event)
+        raise RuntimeError(f"view broke on event {len(calls)}")
+
+    unsubscribe = led.subscribe(broken)
+    event = Event("put", "host", "dev0", "host", "cpu0", 8, 0.0, 1e-6)
+    with caplog.at_level(logging.DEBUG, logger="mgkit"):
+        for _ in range(300):
+            led.record(event)
+        assert len(led) == 300 and len(calls) == 300  # every event recorded, the subscriber kept
+        unsubscribe()
+        led.record(event)  # no longer called
+    records = [r for r in caplog.records if r.name == "mgkit"]
+    first, *notes, total = records
+    assert first.levelno == logging.ERROR and first.exc_info is not None  # one traceback, the first
+    assert "view broke on event 1" in caplog.text and "counted, not logged one by one" in first.getMessage()
+    assert [r.exc_info for r in [*notes, total]] == [None] * (len(records) - 1)
+    assert [r.getMessage().split(" has raised ")[1] for r in notes] == [
+        "10 times (last: RuntimeError: view broke on event 10)",
+        "100 times (last: RuntimeError: view broke on event 100)",
+    ]
+    assert "was unsubscribed after raising 300 times in all" in total.getMessage()
+    assert len(calls) == 300
+
+
 def test_subscribe_needs_a_callable():
     with pytest.raises(TypeError, match="subscribe\\(\\) takes a callable taking one Event, got 3"):
         mg.ledger().subscribe(3)  # type: ignore[arg-type]
