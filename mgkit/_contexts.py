@@ -206,10 +206,31 @@ class ContextMap(Mapping[str, str]):
         return out
 
 
+class Context(NamedTuple):
+    """A context resolved once: the name events and messages call it by, the device behind it and
+    that device's short name. Made when a map is installed (or a device or device name is first
+    used as a target) and passed along as it is, so labelling an event never looks anything up.
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> resolve("dev1", "put")
+    Context(name='dev1', device=CpuDevice(id=1), short='cpu1')
+    """
+
+    name: str  # the context name ("dev1"), a device name used as one ("cpu3"), or "host"
+    device: jax.Device | None  # None: host memory (numpy)
+    short: str  # the device's short name ("cpu1", "cuda0"), or "host"
+
+
+HOST_CONTEXT = Context(HOST, None, HOST)
+_HOST_TARGETS = ("cpu", "host")
+
+
 class _Installed(NamedTuple):
     map: ContextMap
     devices: dict[str, jax.Device]
-    by_device: dict[jax.Device, tuple[str, ...]]
+    by_device: dict[jax.Device, tuple[Context, ...]]  # every context on a device, in map order
+    contexts: dict[str, Context]
 
 
 _lock = threading.Lock()
@@ -221,12 +242,13 @@ def _install(cmap: ContextMap, only_if_none: bool = False) -> _Installed:
     """Resolves a map's devices and makes it current (atomically: readers see old or new)."""
     global _installed
     devs = cmap.devices()
-    by_device: dict[jax.Device, list[str]] = {}
-    for name, d in devs.items():
-        by_device.setdefault(d, []).append(name)
+    by_device: dict[jax.Device, list[Context]] = {}
+    contexts = {name: Context(name, d, _devices.short_name(d)) for name, d in devs.items()}
+    for ctx in contexts.values():
+        by_device.setdefault(ctx.device, []).append(ctx)
     with _lock:
         if not (only_if_none and _installed is not None):
-            _installed = _Installed(cmap, devs, {d: tuple(ns) for d, ns in by_device.items()})
+            _installed = _Installed(cmap, devs, {d: tuple(cs) for d, cs in by_device.items()}, contexts)
         return _installed
 
 
@@ -290,7 +312,7 @@ def device_of(name: str | jax.Device) -> jax.Device:
             f"a context is a name such as 'dev0' (or a device name such as 'cpu1'), got "
             f"{type(name).__name__} {name!r}"
         )
-    cmap, devs, _ = _ensure()
+    cmap, devs, _, _ = _ensure()
     if name in devs:
         return devs[name]
     if _devices.parse_device_spec(name):
@@ -304,16 +326,44 @@ def device_of(name: str | jax.Device) -> jax.Device:
     )
 
 
-def name_of(device: jax.Device) -> str:
-    """The context name for a device: the current scope's if it is on that device, else the
-    first name mapped to it, else its short device name."""
-    names = _ensure().by_device.get(device, ())
-    if not names:
-        return _devices.short_name(device)
+def context_of(device: jax.Device) -> Context:
+    """The context of a device: the current scope's if it is on that device, else the first one
+    mapped to it, else the device under its short name."""
+    on_device = _ensure().by_device.get(device, ())
+    if not on_device:
+        short = _devices.short_name(device)
+        return Context(short, device, short)
     stack = getattr(_local, "stack", None)
-    if stack and stack[-1] in names:
-        return stack[-1]
-    return names[0]
+    if stack and len(on_device) > 1:
+        for ctx in on_device:
+            if ctx.name == stack[-1]:
+                return ctx
+    return on_device[0]
+
+
+def name_of(device: jax.Device) -> str:
+    """The context name for a device (``context_of``'s)."""
+    return context_of(device).name
+
+
+def resolve(ctx: str | jax.Device, fn: str) -> Context:
+    """A target given as a context name, a device name (``cpu3``), a jax.Device, or ``"cpu"`` /
+    ``"host"`` for host numpy, resolved once; errors name ``fn`` and list what exists."""
+    if isinstance(ctx, str) and ctx in _HOST_TARGETS:
+        return HOST_CONTEXT
+    if isinstance(ctx, jax.Device):
+        return context_of(ctx)
+    if isinstance(ctx, str):
+        known = _ensure().contexts.get(ctx)
+        if known is not None:
+            return known
+    try:
+        device = device_of(ctx)
+    except (ContextError, ValueError) as e:
+        raise type(e)(f"{fn}: {e}") from None
+    except TypeError as e:
+        raise TypeError(f"{fn}: {e}; use 'cpu' for host memory") from None
+    return Context(ctx, device, _devices.short_name(device))
 
 
 class on(contextlib.ContextDecorator):  # noqa: N801 - reads like a keyword: `with mg.on("dev1"):`
@@ -373,8 +423,8 @@ def current() -> str | None:
         dev = jax.devices(dev)[0]
     if dev is None:
         dev = jax.devices()[0]
-    names = by_device.get(dev, ())
-    return names[0] if names else None
+    on_device = by_device.get(dev, ())
+    return on_device[0].name if on_device else None
 
 
 _INCOMPATIBLE = re.compile(r"argument (\S+) of (\S+) with shape (\S+) and with device ids \[([\d, ]+)\]")
