@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ._ledger import Event, Ledger, ledger
@@ -115,6 +116,31 @@ class Feed:
 
     def close(self) -> None:
         self._unsubscribe()
+
+
+class Throttled:
+    """A costly reading (``fn()``) that live views share: taken again at most once per
+    ``period`` seconds, and after a reading that took ``c`` seconds not before ``c / share``
+    seconds, so it takes at most ``share`` of the wall time; in between, the last value."""
+
+    def __init__(self, fn: Callable[[], Any], period: float, share: float):
+        self.fn, self.period, self.share = fn, period, share
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._next = 0.0
+        self.readings = 0
+
+    def __call__(self, fresh: bool = False) -> Any:
+        """The value: a new reading when ``fresh`` or when one is due, else the last one."""
+        with self._lock:
+            now = time.monotonic()
+            if fresh or self.readings == 0 or now >= self._next:
+                t0 = time.perf_counter()
+                self._value = self.fn()
+                cost = time.perf_counter() - t0
+                self._next = now + max(self.period, cost / self.share)
+                self.readings += 1
+            return self._value
 
 
 class Refresher:

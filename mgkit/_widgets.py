@@ -28,7 +28,17 @@ import numpy as np
 from . import _contexts, _devices, _svg
 from ._errors import ContextError
 from ._ledger import Event, Ledger, Matrix, short_label
-from ._live import DRAW_SHARE, PICTURE_RATE, REFRESHER, Feed, check_count, check_ledger, check_rate, in_kernel
+from ._live import (
+    DRAW_SHARE,
+    PICTURE_RATE,
+    REFRESHER,
+    Feed,
+    Throttled,
+    check_count,
+    check_ledger,
+    check_rate,
+    in_kernel,
+)
 from ._table import html_table, human_bytes, text_table
 
 _START = operator.attrgetter("start")
@@ -66,6 +76,7 @@ def require_matplotlib(where: str) -> None:
 _ANNOTATE_UP_TO = 12  # write the bytes into heatmap cells when there are at most this many names
 _CURRENT = "#f5a623"
 _BAR = "#4c78a8"
+_LIVE = "#72b7b2"  # bars of live arrays' bytes (no limit known)
 
 
 def figure(width: float, height: float, dpi: int = 100) -> Any:
@@ -82,20 +93,39 @@ def write_png(fig: Any, path: str, dpi: int) -> None:
     fig.savefig(path, format="png", dpi=dpi)
 
 
+def _bar_share(used: int | None, limit: int | None, top: int) -> float | None:
+    """A memory bar's length from 0 to 1: the share of the limit where the device reports one,
+    else (live arrays) the share of ``top``, the most any such device holds; None: no bar."""
+    if used is None:
+        return None
+    if limit:
+        return min(used / limit, 1.0)
+    return used / top if top else 0.0
+
+
 def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]]) -> None:
-    """Horizontal bars: memory in use / limit per context; ``n/a`` where the device reports none.
+    """Horizontal bars per context: memory in use as a share of the limit where the device
+    reports one, else the live arrays' bytes as a share of the most any context's device holds;
+    ``n/a`` where nothing is known.
 
     rows: (context, device, bytes in use, byte limit, is current).
     """
     ax.clear()
     y = np.arange(len(rows))
+    top = max((used for _, _, used, limit, _ in rows if used and not limit), default=0)
+    kinds = set()
     for i, (_, _, used, limit, current) in enumerate(rows):
-        if used is not None and limit:
-            share = min(used / limit, 1.0)
-            ax.barh(i, share, color=_CURRENT if current else _BAR)
-            note = f"{human_bytes(used)} / {human_bytes(limit)}"
+        share = _bar_share(used, limit, top)
+        if share is not None:
+            kinds.add("limit" if limit else "live")
+            color = _CURRENT if current else (_BAR if limit else _LIVE)
+            ax.barh(i, share, color=color)
+        if used is None and limit is None:
+            note = "n/a"
+        elif limit:
+            note = f"{'?' if used is None else human_bytes(used)} / {human_bytes(limit)}"
         else:
-            note = "n/a" if used is None else f"{human_bytes(used)} / ?"
+            note = f"{human_bytes(used)} in live arrays"
         ax.text(0.01, i, note, va="center", fontsize=8)
     ax.set_yticks(y, [f"{'* ' if r[4] else ''}{r[0]} -> {r[1]}" for r in rows], fontsize=8)
     for tick, row in zip(ax.get_yticklabels(), rows, strict=True):
@@ -103,9 +133,15 @@ def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]
             tick.set_fontweight("bold")
     ax.set_xlim(0, 1)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel("memory in use / limit", fontsize=8)
+    if kinds == {"live"}:
+        label = f"bytes held by live jax arrays (bar: share of the largest, {human_bytes(top)})"
+    elif kinds == {"limit"} or not kinds:
+        label = "memory in use / limit (device allocator)"
+    else:
+        label = "in use / limit (allocator), or live arrays / the largest (no statistics)"
+    ax.set_xlabel(label, fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_title("devices (* current context)", fontsize=9)
+    ax.set_title("memory per context (* current context)", fontsize=9)
 
 
 def draw_heatmap(ax, names: Sequence[str], values: np.ndarray, title: str) -> None:
@@ -527,14 +563,24 @@ class Header(LiveView):
         fig.text(0.01, 0.5, self._text, va="center", fontsize=8, family="monospace")
 
 
+# The live arrays' bytes per device, for devices without memory statistics (CPU): one reading
+# shared by every device map, taken at most once a second by the live thread and within 1 % of
+# the wall time (about 3-4 microseconds per live array).
+LIVE_BYTES = Throttled(lambda: _devices.live_array_bytes(), period=1.0, share=0.01)
+
+
 class DeviceMap(LiveView):
     """Context name -> device -> platform, memory in use / limit, the current context highlighted.
 
-    A widget in notebooks (refreshed live), text elsewhere (``print(mg.DeviceMap())``).
+    Memory comes from the device's allocator statistics where it reports them (GPUs, TPUs);
+    devices that report none (CPU) show the bytes held by the live jax arrays on them, marked
+    ``live arrays``, with no limit. A widget in notebooks (refreshed live), text elsewhere
+    (``print(mg.DeviceMap())``).
 
     Args:
       contexts: context names to show (default: every context of the current map).
-      rate: refreshes per second, above 0 and at most 10 (device memory is polled at this rate).
+      rate: refreshes per second, above 0 and at most 10 (allocator statistics are polled at
+        this rate; live arrays are summed at most once a second while refreshed live).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while a cell runs; False:
@@ -546,8 +592,9 @@ class DeviceMap(LiveView):
     mgkit device map: 2 context(s), current (*) dev0
     context  device  platform  kind  memory in use / limit
     ...
-    * dev0   cpu0    cpu       cpu   n/a
-      dev1   cpu1    cpu       cpu   n/a
+    * dev0   cpu0    cpu       cpu   ... (live arrays)
+      dev1   cpu1    cpu       cpu   ... (live arrays)
+    memory: ...
     """
 
     polls = True
@@ -566,29 +613,29 @@ class DeviceMap(LiveView):
         _watch_main_stack()
         self._start()
 
-    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool]]:
-        """(context, device, platform, kind, bytes in use, byte limit, is current) per context, now."""
+    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool, str | None]]:
+        """(context, device, platform, kind, bytes in use, byte limit, is current, memory source)
+        per context, now. The source is ``"allocator"`` (the device's statistics), ``"live
+        arrays"`` (bytes of the live jax arrays on a device without statistics) or None."""
         self.refresh()
         return list(self._state)
 
-    def _poll(self) -> list[tuple]:
+    def _poll(self, fresh: bool) -> list[tuple]:
         cmap = _contexts.context_map()
         current = shown_current()
+        shown = [n for n in cmap.names if self.contexts is None or n in self.contexts]
+        devices = [_contexts.device_of(name) for name in shown]
+        usage = _devices.memory_usage(devices, lambda: LIVE_BYTES(fresh))
         rows = []
-        for name in cmap.names:
-            if self.contexts is not None and name not in self.contexts:
-                continue
-            device = _contexts.device_of(name)
+        for name, device in zip(shown, devices, strict=True):
             short = _devices.short_name(device)
-            stats = _devices.memory(device) or (None, None)
-            used, limit = stats
-            rows.append(
-                (name, short, short.rstrip("0123456789"), device.device_kind, used, limit, name == current)
-            )
+            used, limit, source = usage[device]
+            platform = short.rstrip("0123456789")
+            rows.append((name, short, platform, device.device_kind, used, limit, name == current, source))
         return rows
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
-        rows = self._poll()
+        rows = self._poll(fresh=not budgeted)
         if rows == self._state:
             return False
         self._state = rows
@@ -596,48 +643,47 @@ class DeviceMap(LiveView):
             self._html.value = self.html()
         return True
 
-    @staticmethod
-    def _memory(used: int | None, limit: int | None) -> str:
-        if used is None and limit is None:
-            return "n/a"
-        used_s = "?" if used is None else human_bytes(used)
-        limit_s = "?" if limit is None else human_bytes(limit)
-        share = f" ({100 * used / limit:.0f}%)" if used is not None and limit else ""
-        return f"{used_s} / {limit_s}{share}"
-
     def _title(self) -> str:
         current = next((r[0] for r in self._state if r[6]), None)
         return f"mgkit device map: {len(self._state)} context(s), current (*) {current or '(none shown)'}"
 
+    def _note(self) -> str:
+        return _devices.MEMORY_NOTE if any(r[7] for r in self._state) else ""
+
     def _rows(self) -> list[tuple]:
         return [
-            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], self._memory(r[4], r[5]))
+            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], _devices.memory_text(r[4], r[5], r[7]))
             for r in self._state
         ]
 
     def text(self) -> str:
-        return self._table(self._title())
+        note = self._note()
+        return self._table(self._title()) + (f"\n{note}" if note else "")
 
     def html(self) -> str:
         esc = html.escape
         head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
         body = []
-        for name, device, platform, kind, used, limit, current in self._state:
+        top = max((r[4] for r in self._state if r[5] is None and r[4]), default=0)
+        for name, device, platform, kind, used, limit, current, source in self._state:
+            share = _bar_share(used, limit, top)
             bar = ""
-            if used is not None and limit:
-                pct = min(100.0, 100.0 * used / limit)
+            if share is not None:
+                color = _BAR if limit else _LIVE
                 bar = (
                     '<div style="display:inline-block;width:120px;height:10px;background:#e6e6e6;'
                     'vertical-align:middle;margin-right:6px"><div style="height:100%;'
-                    f'width:{pct:.1f}%;background:#4c78a8"></div></div>'
+                    f'width:{100 * share:.1f}%;background:{color}"></div></div>'
                 )
             style = ' class="mgkit-current" style="background:#fff3c4;font-weight:bold"' if current else ""
             cells = [("&#9654; " if current else "") + esc(name), *map(esc, (device, platform, kind))]
-            cells.append(bar + esc(self._memory(used, limit)))
+            cells.append(bar + esc(_devices.memory_text(used, limit, source)))
             body.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        note = self._note()
+        foot = f'<div style="font-size:11px;color:#666">{esc(note)}</div>' if note else ""
         return (
             f'<table class="mgkit"><caption>{esc(self._title())}</caption><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<tbody>{''.join(body)}</tbody></table>{foot}"
         )
 
     def _build(self, widgets: Any) -> Any:

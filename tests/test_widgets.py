@@ -83,7 +83,8 @@ def test_device_map_lists_contexts_devices_and_the_current_one():
     default = mg.current()  # dev0 on a CPU-only machine; None where JAX's default device is a GPU
     assert [r[0] for r in view.rows() if r[6]] == ([default] if default else [])
     html = view.widget.children[0].value
-    assert all(f">{n}<" in html or f" {n}<" in html for n in NAMES) and "n/a" in html
+    assert all(f">{n}<" in html or f" {n}<" in html for n in NAMES) and "(live arrays)</td>" in html
+    assert "else the bytes held by live jax arrays on it" in html  # says where the figures come from
     assert "mgkit-devicemap" in view.widget._dom_classes
     before = view.updates
     with mg.on("dev3"):
@@ -103,10 +104,30 @@ def test_device_map_memory_bar_where_the_device_reports_it(monkeypatch):
         return (1 << 30, 4 << 30) if device.id == 1 else (None, None)
 
     monkeypatch.setattr(mg._devices, "memory", memory)
+    monkeypatch.setattr(mg._devices, "live_array_bytes", lambda: {jax.devices("cpu")[0]: 3 << 20})
     view = mg.DeviceMap(contexts=["dev0", "dev1"], widget=True, live=False)
-    assert [(r[4], r[5]) for r in view.rows()] == [(None, None), (1 << 30, 4 << 30)]
-    assert "width:25.0%" in view.widget.children[0].value
-    assert "1.0 GiB / 4.0 GiB (25%)" in repr(view) and "n/a" in repr(view)
+    assert [(r[4], r[5], r[7]) for r in view.rows()] == [
+        (3 << 20, None, "live arrays"),
+        (1 << 30, 4 << 30, "allocator"),
+    ]
+    assert "width:25.0%" in view.widget.children[0].value and "width:100.0%" in view.widget.children[0].value
+    assert "1.0 GiB / 4.0 GiB (25%)" in repr(view) and "3.0 MiB (live arrays)" in repr(view)
+    view.close()
+
+
+def test_device_map_shows_live_array_bytes_on_cpu_and_reads_them_at_most_once_a_second():
+    from mgkit import _widgets
+
+    view = mg.DeviceMap(contexts=["dev6"], widget=True, live=False)
+    before = view.rows()[0][4]
+    x = mg.put(np.ones((512, 1024), np.float32), "dev6")  # 2 MiB
+    assert view.rows()[0][4:6] == (before + 2 * 2**20, None)  # refresh(): a fresh reading
+    readings = _widgets.LIVE_BYTES.readings
+    del x
+    for _ in range(5):  # the live thread's refreshes: one reading a second at most, shared
+        view._refresh(budgeted=True)
+    assert _widgets.LIVE_BYTES.readings - readings <= 1
+    assert "(live arrays)" in view.text() and "memory: the device's allocator statistics" in view.text()
     view.close()
 
 
