@@ -248,6 +248,85 @@ def test_throughput_view_follows_parallel_calls_on_eight_contexts():
     assert "8 context(s) reporting" in repr(view)
 
 
+def test_throughput_view_leaves_compilation_out_of_a_calls_time():
+    view = mg.ThroughputView(contexts=["dev0"], widget=False)
+    led = mg.ledger()
+    led.flush()
+    led.clear()
+
+    def add(a):
+        return a + 1.0
+
+    f = mg.parallel(add)
+    x = jnp.ones((64, 4))
+    t0 = time.time()
+    f(x)  # compiles: tracing, lowering and compiling take most of this call
+    f(x)  # the compiled program: no compilation
+    led.flush()
+    first, second = [e for e in led.records("run") if e.src == "dev0"]
+    assert first.info["fn"] == "add" and first.start >= t0
+    spans = _live.COMPILES.spans()
+    compiled = sum(s for end, s in spans if first.start <= end <= first.start + first.seconds)
+    assert 0 < compiled < first.seconds
+    assert sum(s for end, s in spans if second.start <= end <= second.start + second.seconds) == 0
+    _t, rate, step = view.series()["dev0"]
+    assert step.tolist() == pytest.approx([first.seconds - compiled, second.seconds])
+    assert rate.tolist() == pytest.approx([8 / (first.seconds - compiled), 8 / second.seconds])
+    points = view._series["dev0"]
+    assert list(points.compiled) == pytest.approx([compiled, 0.0])
+    row = view.text().splitlines()[-1]
+    assert f"{compiled:.2f} s" in row and "compile excluded" in view.text()
+    view.close()
+
+
+def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
+    led = Ledger()
+    view = mg.ThroughputView(ledger=led, widget=True, live=False)
+    # a fit reports after 100 and 300 iterations (0.5 s and 1.0 s), then another fit after 50
+    led.record(_step("dev0", 1e4, seconds=0.5, iteration=100))
+    led.record(_step("dev0", 1e4, seconds=1.0, iteration=300))
+    second = _step("dev0", 1e4, seconds=0.2, iteration=50)
+    led.record(second._replace(info={**second.info, "what": "another fit"}))
+    led.record(_run("dev0", rows=40, seconds=0.01))
+    _t, _rate, step = view.series()["dev0"]
+    assert step.tolist() == pytest.approx([0.005, 0.005, 0.004, 0.01])  # seconds per iteration, per call
+    points = view._series["dev0"]
+    assert list(points.source) == ["fit", "fit", "another fit", "f (spmd)"]
+    assert points.breaks().tolist() == [False, False, True, True]
+    svg = view.widget.children[1].value
+    # one line per source and panel, each with a marker at every point (not one element per point)
+    assert svg.count("<polyline") == 6 and svg.count("<marker ") == 1 and 'marker-mid="url(#m0)"' in svg
+    assert "ms per step" in svg and "samples/s" in svg and "(log)" not in svg  # 1e4 .. 4e3: linear
+    led.record(_run("dev0", rows=40_000, seconds=0.01))  # now 4e3 .. 4e6 samples/s: a log scale
+    view.refresh()
+    assert "samples/s (log)" in view.widget.children[1].value
+    view.close()
+
+
+def test_throughput_picture_has_markers_labels_and_a_legend_per_context(tmp_path):
+    from matplotlib.lines import Line2D
+
+    led = Ledger()
+    view = mg.ThroughputView(ledger=led, widget=False)
+    for ctx in ("dev0", "dev1"):
+        led.record(_step(ctx, 1e4, seconds=0.5, iteration=100))
+        led.record(_run(ctx, rows=40, seconds=0.01))
+    view.refresh()
+    view._series["dev1"].compiled[-1] = 0.2  # as if dev1's call had compiled
+    fig = view._figure()
+    ax_rate, ax_step = fig.axes
+    legend = [t.get_text() for t in ax_rate.get_legend().get_texts()]
+    assert legend == ["dev0", "dev1", "compiled (left out)"]
+    markers = {line.get_marker() for line in ax_rate.get_lines() if isinstance(line, Line2D)}
+    assert {"o", "s"} <= markers  # one shape per context, drawn at each point
+    assert ax_rate.get_ylabel() == "samples per second"
+    assert ax_step.get_ylabel() == "ms per step\n(compilation left out)"
+    assert ax_step.get_xlabel().startswith("time since the view started (s)")
+    assert {t.get_text() for t in ax_rate.texts} == {"fit", "f (spmd)"}  # each source named once
+    view.save_png(tmp_path / "throughput.png", dpi=40)
+    view.close()
+
+
 # -- dashboard, text, pictures -----------------------------------------------------------------
 
 
