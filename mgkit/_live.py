@@ -14,12 +14,14 @@ most ~1 % of the wall time. Text values follow at the view's full rate.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ._ledger import Event, Ledger, ledger
@@ -96,6 +98,78 @@ class Feed:
 
     def close(self) -> None:
         self._unsubscribe()
+
+
+class Throttled:
+    """A costly reading (``fn()``) that live views share: taken again at most once per
+    ``period`` seconds, and after a reading that took ``c`` seconds not before ``c / share``
+    seconds, so it takes at most ``share`` of the wall time; in between, the last value."""
+
+    def __init__(self, fn: Callable[[], Any], period: float, share: float):
+        self.fn, self.period, self.share = fn, period, share
+        self._lock = threading.Lock()
+        self._value: Any = None
+        self._next = 0.0
+        self.readings = 0
+
+    def __call__(self, fresh: bool = False) -> Any:
+        """The value: a new reading when ``fresh`` or when one is due, else the last one."""
+        with self._lock:
+            now = time.monotonic()
+            if fresh or self.readings == 0 or now >= self._next:
+                t0 = time.perf_counter()
+                self._value = self.fn()
+                cost = time.perf_counter() - t0
+                self._next = now + max(self.period, cost / self.share)
+                self.readings += 1
+            return self._value
+
+
+class CompileClock:
+    """The compilations JAX reports (``jax.monitoring``: tracing, lowering, compiling), so a view
+    can take them out of the time of the call they happened in.
+
+    It listens from the first ``listen()`` on, for the rest of the process (one listener, a
+    bounded record of the newest spans); the listener does one string test and one append.
+    """
+
+    def __init__(self, size: int = 4096):
+        self._spans: collections.deque[tuple[float, float]] = collections.deque(maxlen=size)
+        self._lock = threading.Lock()
+        self.listening = False
+
+    def listen(self) -> None:
+        """Starts recording compilations (once; later calls do nothing)."""
+        with self._lock:
+            if self.listening:
+                return
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(self._heard)
+            self.listening = True
+
+    def _heard(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event.startswith("/jax/core/compile/"):
+            self._spans.append((time.time(), duration))
+
+    def spans(self) -> list[tuple[float, float]]:
+        """(wall time it ended, seconds) of each compilation recorded, oldest first."""
+        while True:
+            try:
+                return list(self._spans)
+            except RuntimeError:  # appended to while copied: copy again
+                continue
+
+    @staticmethod
+    def within(spans: list[tuple[float, float]], ends: list[float], start: float, end: float) -> float:
+        """Seconds of the compilations in ``spans`` (``ends`` their end times) that ended between
+        ``start`` and ``end`` (wall times)."""
+        lo = bisect.bisect_left(ends, start)
+        hi = bisect.bisect_right(ends, end, lo)
+        return sum(seconds for _, seconds in spans[lo:hi])
+
+
+COMPILES = CompileClock()
 
 
 class Refresher:

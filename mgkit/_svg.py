@@ -60,11 +60,34 @@ def _text(x: float, y: float, s: str, anchor: str = "start", extra: str = "") ->
 
 
 def _thin(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every k-th point (and the last), at most about MAX_POINTS of them."""
+    """Every k-th point (and the last, and every NaN that breaks a line), at most about
+    MAX_POINTS of them."""
     k = -(-len(x) // MAX_POINTS)
     if k <= 1:
         return x, y
-    return np.append(x[::k], x[-1]), np.append(y[::k], y[-1])
+    keep = np.zeros(len(x), bool)
+    keep[::k] = True
+    keep[-1] = True
+    keep |= np.isnan(y)
+    return x[keep], y[keep]
+
+
+def _segments(px: np.ndarray, py: np.ndarray, finite: np.ndarray) -> list[str]:
+    """The ``points`` text of each run of finite points."""
+    out = []
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], finite, [False]]).astype(np.int8)))
+    for lo, hi in zip(edges[::2], edges[1::2], strict=True):
+        out.append(" ".join(map(str, np.column_stack([px[lo:hi], py[lo:hi]]).round(1).ravel().tolist())))
+    return out
+
+
+def _marker(i: int, color: str) -> str:
+    """A small round marker drawn at every vertex of the lines that use it (one definition per
+    colour: no element per point)."""
+    return (
+        f'<marker id="m{i}" viewBox="0 0 6 6" refX="3" refY="3" markerWidth="5" markerHeight="5" '
+        f'markerUnits="userSpaceOnUse"><circle cx="3" cy="3" r="2.6" fill="{color}"/></marker>'
+    )
 
 
 def lines(
@@ -74,54 +97,85 @@ def lines(
     x_label: str,
     width: int = 640,
     panel_height: int = 100,
+    log: bool = False,
 ) -> str:
-    """Panels stacked over one shared x axis, one line per name in each.
+    """Panels stacked over one shared x axis, one line with a marker at each point per name in
+    each; a NaN in y breaks a line.
 
     Args:
       panels: (y label, {name: (x, y)}) from top to bottom.
       palette: name -> colour.
       title, x_label: text above the panels and below the x axis.
+      log: a log y scale in a panel whose positive values span more than a factor of 20.
     """
     left, right, top, gap, bottom = 56, 10, 34, 14, 30
     height = top + len(panels) * panel_height + (len(panels) - 1) * gap + bottom
     plot_w = width - left - right
-    xs = [x for _, series in panels for x, _ in series.values() if len(x)]
+    xs = [x[np.isfinite(x)] for _, series in panels for x, _ in series.values() if len(x)]
+    xs = [x for x in xs if x.size]
     x0 = min(float(x.min()) for x in xs) if xs else 0.0
     x1 = max(float(x.max()) for x in xs) if xs else 1.0
     if x1 <= x0:
         x0, x1 = x0 - 0.5, x0 + 0.5
+    names = list(dict.fromkeys(n for _, series in panels for n in series))
+    markers = {name: f"m{i}" for i, name in enumerate(names)}
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}">',
+        "<defs>" + "".join(_marker(i, palette.get(n, "#333")) for i, n in enumerate(names)) + "</defs>",
         _text(left, 12, title, extra=' font-weight="bold"'),
     ]
     lx = left
-    for name in dict.fromkeys(n for _, series in panels for n in series):
+    for name in names:
         label = _text(lx + 12, 26, name)
         out.append(f'<rect x="{lx}" y="19" width="9" height="9" fill="{palette.get(name, "#333")}"/>{label}')
         lx += 22 + 6 * len(name)
     for p, (y_label, series) in enumerate(panels):
         y_top = top + p * (panel_height + gap)
-        ys = [float(np.nanmax(y)) for _, y in series.values() if len(y) and np.isfinite(y).any()]
-        y_max = max(ys) * 1.05 if ys and max(ys) > 0 else 1.0
+        ys = [np.asarray(y, float) for _, y in series.values() if len(y)]
+        ys = [y[np.isfinite(y)] for y in ys]
+        ys = [y for y in ys if y.size]
+        y_max = max(float(y.max()) for y in ys) if ys else 0.0
+        positive = [y[y > 0] for y in ys if (y > 0).any()]
+        y_min = min(float(y.min()) for y in positive) if positive else 0.0
+        logged = log and y_min > 0 and y_max > 20 * y_min
+        if logged:
+            lo, hi = math.floor(math.log10(y_min)), math.ceil(math.log10(y_max))
+            ticks = [10.0**e for e in range(lo, hi + 1)]
+
+            def scale(y: np.ndarray, lo=lo, hi=hi) -> np.ndarray:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    return (np.log10(np.where(y > 0, y, np.nan)) - lo) / (hi - lo)
+        else:
+            y_max = y_max * 1.05 if y_max > 0 else 1.0
+            ticks = [y_max * k / 2 for k in range(3)]
+
+            def scale(y: np.ndarray, y_max=y_max) -> np.ndarray:
+                return y / y_max
+
         frame = f'x="{left}" y="{y_top}" width="{plot_w}" height="{panel_height}"'
         out.append(f'<rect {frame} fill="none" stroke="#bbb"/>')
-        for k in range(3):
-            v = y_max * k / 2
-            y = y_top + panel_height - panel_height * k / 2
+        for v in ticks:
+            y = y_top + panel_height - panel_height * float(scale(np.array([v]))[0])
             out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
             out.append(_text(left - 4, y + 3, compact(v), "end"))
         mid = y_top + panel_height / 2
-        out.append(_text(12, mid, y_label, "middle", f' transform="rotate(-90 12 {mid:.1f})"'))
+        label = f"{y_label} (log)" if logged else y_label
+        out.append(_text(12, mid, label, "middle", f' transform="rotate(-90 12 {mid:.1f})"'))
         for name, (x, y) in series.items():
             if not len(x):
                 continue
-            x, y = _thin(np.asarray(x, float), np.nan_to_num(np.asarray(y, float)))
+            x, y = _thin(np.asarray(x, float), np.asarray(y, float))
             px = left + (x - x0) / (x1 - x0) * plot_w
-            py = y_top + panel_height - np.clip(y / y_max, 0.0, 1.0) * panel_height
-            points = " ".join(map(str, np.column_stack([px, py]).round(1).ravel().tolist()))
+            py = y_top + panel_height - np.clip(scale(y), 0.0, 1.0) * panel_height
+            finite = np.isfinite(px) & np.isfinite(py)
             color = palette.get(name, "#333")
-            out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+            ends = f"url(#{markers[name]})"
+            for points in _segments(px, py, finite):
+                out.append(
+                    f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.2" '
+                    f'stroke-opacity="0.7" marker-start="{ends}" marker-mid="{ends}" marker-end="{ends}"/>'
+                )
     y_axis = top + len(panels) * panel_height + (len(panels) - 1) * gap
     out.append(_text(left, y_axis + 12, compact(x0)))
     out.append(_text(left + plot_w, y_axis + 12, compact(x1), "end"))

@@ -14,6 +14,7 @@ import abc
 import collections
 import heapq
 import html
+import itertools
 import math
 import operator
 import os
@@ -28,7 +29,18 @@ import numpy as np
 from . import _contexts, _devices, _svg
 from ._errors import ContextError
 from ._ledger import Event, Ledger, Matrix, short_label
-from ._live import DRAW_SHARE, PICTURE_RATE, REFRESHER, Feed, check_count, check_ledger, check_rate, in_kernel
+from ._live import (
+    COMPILES,
+    DRAW_SHARE,
+    PICTURE_RATE,
+    REFRESHER,
+    Feed,
+    Throttled,
+    check_count,
+    check_ledger,
+    check_rate,
+    in_kernel,
+)
 from ._table import html_table, human_bytes, text_table
 
 _START = operator.attrgetter("start")
@@ -66,6 +78,7 @@ def require_matplotlib(where: str) -> None:
 _ANNOTATE_UP_TO = 12  # write the bytes into heatmap cells when there are at most this many names
 _CURRENT = "#f5a623"
 _BAR = "#4c78a8"
+_LIVE = "#72b7b2"  # bars of live arrays' bytes (no limit known)
 
 
 def figure(width: float, height: float, dpi: int = 100) -> Any:
@@ -82,20 +95,39 @@ def write_png(fig: Any, path: str, dpi: int) -> None:
     fig.savefig(path, format="png", dpi=dpi)
 
 
+def _bar_share(used: int | None, limit: int | None, top: int) -> float | None:
+    """A memory bar's length from 0 to 1: the share of the limit where the device reports one,
+    else (live arrays) the share of ``top``, the most any such device holds; None: no bar."""
+    if used is None:
+        return None
+    if limit:
+        return min(used / limit, 1.0)
+    return used / top if top else 0.0
+
+
 def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]]) -> None:
-    """Horizontal bars: memory in use / limit per context; ``n/a`` where the device reports none.
+    """Horizontal bars per context: memory in use as a share of the limit where the device
+    reports one, else the live arrays' bytes as a share of the most any context's device holds;
+    ``n/a`` where nothing is known.
 
     rows: (context, device, bytes in use, byte limit, is current).
     """
     ax.clear()
     y = np.arange(len(rows))
+    top = max((used for _, _, used, limit, _ in rows if used and not limit), default=0)
+    kinds = set()
     for i, (_, _, used, limit, current) in enumerate(rows):
-        if used is not None and limit:
-            share = min(used / limit, 1.0)
-            ax.barh(i, share, color=_CURRENT if current else _BAR)
-            note = f"{human_bytes(used)} / {human_bytes(limit)}"
+        share = _bar_share(used, limit, top)
+        if share is not None:
+            kinds.add("limit" if limit else "live")
+            color = _CURRENT if current else (_BAR if limit else _LIVE)
+            ax.barh(i, share, color=color)
+        if used is None and limit is None:
+            note = "n/a"
+        elif limit:
+            note = f"{'?' if used is None else human_bytes(used)} / {human_bytes(limit)}"
         else:
-            note = "n/a" if used is None else f"{human_bytes(used)} / ?"
+            note = f"{human_bytes(used)} in live arrays"
         ax.text(0.01, i, note, va="center", fontsize=8)
     ax.set_yticks(y, [f"{'* ' if r[4] else ''}{r[0]} -> {r[1]}" for r in rows], fontsize=8)
     for tick, row in zip(ax.get_yticklabels(), rows, strict=True):
@@ -103,9 +135,15 @@ def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]
             tick.set_fontweight("bold")
     ax.set_xlim(0, 1)
     ax.set_ylim(len(rows) - 0.5, -0.5)
-    ax.set_xlabel("memory in use / limit", fontsize=8)
+    if kinds == {"live"}:
+        label = f"bytes held by live jax arrays (bar: share of the largest, {human_bytes(top)})"
+    elif kinds == {"limit"} or not kinds:
+        label = "memory in use / limit (device allocator)"
+    else:
+        label = "in use / limit (allocator), or live arrays / the largest (no statistics)"
+    ax.set_xlabel(label, fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_title("devices (* current context)", fontsize=9)
+    ax.set_title("memory per context (* current context)", fontsize=9)
 
 
 def draw_heatmap(ax, names: Sequence[str], values: np.ndarray, title: str) -> None:
@@ -135,30 +173,90 @@ def draw_heatmap(ax, names: Sequence[str], values: np.ndarray, title: str) -> No
                 ax.text(j, i, human_bytes(int(v)), ha="center", va="center", fontsize=6, color=color)
 
 
-def draw_throughput(
-    ax_rate, ax_step, series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]], colors: dict[str, str]
-) -> None:
-    """samples/s (top) and step time in ms (bottom) against time, one line per context.
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*")
 
-    series: context -> (time in s, samples per second, step seconds).
+
+def _log_if_wide(ax: Any, values: list[np.ndarray]) -> None:
+    """A log y scale when the positive values span more than a factor of 20."""
+    finite = [v[np.isfinite(v) & (v > 0)] for v in values]
+    finite = [v for v in finite if v.size]
+    if finite and max(v.max() for v in finite) > 20 * min(v.min() for v in finite):
+        ax.set_yscale("log")
+
+
+def draw_throughput(ax_rate, ax_step, series: dict[str, tuple], colors: dict[str, str]) -> None:
+    """Samples per second (top) and milliseconds per step (bottom) against time, one colour and
+    marker shape per context. Each point is one step event (a fit's iterations since its last)
+    or one parallel call; lines join only points of one fit or function, each of which is named
+    where it first appears, and a grey ring marks a call whose compilation was taken out of its
+    time.
+
+    series: context -> (time in s, samples per second, step seconds, compile seconds taken out,
+    breaks: True before a point of another source, the source of each point).
     """
     ax_rate.clear()
     ax_step.clear()
-    for name, (t, rate, step) in series.items():
+    named: set[str] = set()
+    rings = False
+    for i, (name, (t, rate, step, compiled, breaks, sources)) in enumerate(series.items()):
         color = colors.get(name)
-        ax_rate.plot(t, rate, lw=1.2, color=color, label=name)
-        ax_step.plot(t, step * 1e3, lw=1.0, color=color)
+        marker = _MARKERS[i % len(_MARKERS)]
+        style = {"ls": "none", "marker": marker, "ms": 5.5, "mfc": "none", "mew": 1.1, "color": color}
+        for ax, y in ((ax_rate, rate), (ax_step, step * 1e3)):
+            ax.plot(*_with_breaks(t, y, breaks), lw=0.8, alpha=0.5, color=color)
+            ax.plot(t, y, **style)
+            hot = compiled > 0
+            if hot.any():
+                rings = True
+                ax.plot(t[hot], y[hot], ls="none", marker="o", ms=11, mfc="none", mec="0.55", mew=1.0)
+        ax_rate.plot([], [], **{**style, "ls": "-", "lw": 0.8}, label=name)  # the legend's entry
+        if len(series) * len(set(sources)) <= 200:
+            right = float(np.nanmax(t)) if len(t) else 0.0
+            for k, source in enumerate(sources):
+                if source and source not in named:
+                    named.add(source)
+                    left_side = len(named) % 2 == 0  # alternate sides: neighbours do not overlap
+                    if t[k] < 0.3 * right or t[k] > 0.7 * right:  # near an edge: face the middle
+                        left_side = t[k] > 0.7 * right
+                    label = ax_rate.annotate(
+                        source,
+                        (t[k], rate[k]),
+                        xytext=(-7 if left_side else 7, 7 if len(named) % 2 else -12),
+                        textcoords="offset points",
+                        ha="right" if left_side else "left",
+                        fontsize=6.5,
+                        color="0.25",
+                    )
+                    label.set_in_layout(False)
+    if rings:
+        ax_rate.plot([], [], ls="none", marker="o", ms=9, mfc="none", mec="0.55", label="compiled (left out)")
     if not series:
         ax_rate.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax_rate.transAxes)
-    elif len(series) <= 10:
-        ax_rate.legend(fontsize=7, ncols=min(len(series), 5), loc="upper left")
-    ax_rate.set_ylabel("samples/s", fontsize=8)
-    ax_step.set_ylabel("step (ms)", fontsize=8)
-    ax_step.set_xlabel("time (s)", fontsize=8)
+    else:
+        _log_if_wide(ax_rate, [s[1] for s in series.values()])
+        _log_if_wide(ax_step, [s[2] for s in series.values()])
+        if len(series) <= 16:
+            ax_rate.legend(
+                fontsize=7,
+                ncols=min(len(series) + rings, 9),
+                loc="lower left",
+                bbox_to_anchor=(0, 1.0),
+                frameon=False,
+                handlelength=1.8,
+                columnspacing=1.0,
+            )
+    ax_rate.set_ylabel("samples per second", fontsize=8)
+    ax_step.set_ylabel("ms per step\n(compilation left out)", fontsize=8)
+    ax_step.set_xlabel(
+        "time since the view started (s); a point is a fit's iterations since its last report, "
+        "or one parallel call",
+        fontsize=7,
+    )
     for ax in (ax_rate, ax_step):
         ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    ax_rate.set_title("throughput per context", fontsize=9)
+        ax.grid(alpha=0.35)
+        ax.margins(x=0.04, y=0.12)
+    ax_rate.set_title("throughput per context", fontsize=9, pad=18 if len(series) else 6)
 
 
 # -- views --------------------------------------------------------------------------------
@@ -423,6 +521,15 @@ def _gbps(nbytes: float, seconds: float) -> str:
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 and nbytes else "n/a"
 
 
+def _duration(seconds: float) -> str:
+    """``2.41 ms``, ``310 us``, ``1.20 s``."""
+    if seconds >= 1.0:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.0f} us"
+
+
 def _rate(value: float) -> str:
     return "n/a" if not math.isfinite(value) else f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
@@ -527,14 +634,24 @@ class Header(LiveView):
         fig.text(0.01, 0.5, self._text, va="center", fontsize=8, family="monospace")
 
 
+# The live arrays' bytes per device, for devices without memory statistics (CPU): one reading
+# shared by every device map, taken at most once a second by the live thread and within 1 % of
+# the wall time (about 3-4 microseconds per live array).
+LIVE_BYTES = Throttled(lambda: _devices.live_array_bytes(), period=1.0, share=0.01)
+
+
 class DeviceMap(LiveView):
     """Context name -> device -> platform, memory in use / limit, the current context highlighted.
 
-    A widget in notebooks (refreshed live), text elsewhere (``print(mg.DeviceMap())``).
+    Memory comes from the device's allocator statistics where it reports them (GPUs, TPUs);
+    devices that report none (CPU) show the bytes held by the live jax arrays on them, marked
+    ``live arrays``, with no limit. A widget in notebooks (refreshed live), text elsewhere
+    (``print(mg.DeviceMap())``).
 
     Args:
       contexts: context names to show (default: every context of the current map).
-      rate: refreshes per second, above 0 and at most 10 (device memory is polled at this rate).
+      rate: refreshes per second, above 0 and at most 10 (allocator statistics are polled at
+        this rate; live arrays are summed at most once a second while refreshed live).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while a cell runs; False:
@@ -546,8 +663,9 @@ class DeviceMap(LiveView):
     mgkit device map: 2 context(s), current (*) dev0
     context  device  platform  kind  memory in use / limit
     ...
-    * dev0   cpu0    cpu       cpu   n/a
-      dev1   cpu1    cpu       cpu   n/a
+    * dev0   cpu0    cpu       cpu   ... (live arrays)
+      dev1   cpu1    cpu       cpu   ... (live arrays)
+    memory: ...
     """
 
     polls = True
@@ -566,29 +684,29 @@ class DeviceMap(LiveView):
         _watch_main_stack()
         self._start()
 
-    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool]]:
-        """(context, device, platform, kind, bytes in use, byte limit, is current) per context, now."""
+    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool, str | None]]:
+        """(context, device, platform, kind, bytes in use, byte limit, is current, memory source)
+        per context, now. The source is ``"allocator"`` (the device's statistics), ``"live
+        arrays"`` (bytes of the live jax arrays on a device without statistics) or None."""
         self.refresh()
         return list(self._state)
 
-    def _poll(self) -> list[tuple]:
+    def _poll(self, fresh: bool) -> list[tuple]:
         cmap = _contexts.context_map()
         current = shown_current()
+        shown = [n for n in cmap.names if self.contexts is None or n in self.contexts]
+        devices = [_contexts.device_of(name) for name in shown]
+        usage = _devices.memory_usage(devices, lambda: LIVE_BYTES(fresh))
         rows = []
-        for name in cmap.names:
-            if self.contexts is not None and name not in self.contexts:
-                continue
-            device = _contexts.device_of(name)
+        for name, device in zip(shown, devices, strict=True):
             short = _devices.short_name(device)
-            stats = _devices.memory(device) or (None, None)
-            used, limit = stats
-            rows.append(
-                (name, short, short.rstrip("0123456789"), device.device_kind, used, limit, name == current)
-            )
+            used, limit, source = usage[device]
+            platform = short.rstrip("0123456789")
+            rows.append((name, short, platform, device.device_kind, used, limit, name == current, source))
         return rows
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
-        rows = self._poll()
+        rows = self._poll(fresh=not budgeted)
         if rows == self._state:
             return False
         self._state = rows
@@ -596,48 +714,47 @@ class DeviceMap(LiveView):
             self._html.value = self.html()
         return True
 
-    @staticmethod
-    def _memory(used: int | None, limit: int | None) -> str:
-        if used is None and limit is None:
-            return "n/a"
-        used_s = "?" if used is None else human_bytes(used)
-        limit_s = "?" if limit is None else human_bytes(limit)
-        share = f" ({100 * used / limit:.0f}%)" if used is not None and limit else ""
-        return f"{used_s} / {limit_s}{share}"
-
     def _title(self) -> str:
         current = next((r[0] for r in self._state if r[6]), None)
         return f"mgkit device map: {len(self._state)} context(s), current (*) {current or '(none shown)'}"
 
+    def _note(self) -> str:
+        return _devices.MEMORY_NOTE if any(r[7] for r in self._state) else ""
+
     def _rows(self) -> list[tuple]:
         return [
-            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], self._memory(r[4], r[5]))
+            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], _devices.memory_text(r[4], r[5], r[7]))
             for r in self._state
         ]
 
     def text(self) -> str:
-        return self._table(self._title())
+        note = self._note()
+        return self._table(self._title()) + (f"\n{note}" if note else "")
 
     def html(self) -> str:
         esc = html.escape
         head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
         body = []
-        for name, device, platform, kind, used, limit, current in self._state:
+        top = max((r[4] for r in self._state if r[5] is None and r[4]), default=0)
+        for name, device, platform, kind, used, limit, current, source in self._state:
+            share = _bar_share(used, limit, top)
             bar = ""
-            if used is not None and limit:
-                pct = min(100.0, 100.0 * used / limit)
+            if share is not None:
+                color = _BAR if limit else _LIVE
                 bar = (
                     '<div style="display:inline-block;width:120px;height:10px;background:#e6e6e6;'
                     'vertical-align:middle;margin-right:6px"><div style="height:100%;'
-                    f'width:{pct:.1f}%;background:#4c78a8"></div></div>'
+                    f'width:{100 * share:.1f}%;background:{color}"></div></div>'
                 )
             style = ' class="mgkit-current" style="background:#fff3c4;font-weight:bold"' if current else ""
             cells = [("&#9654; " if current else "") + esc(name), *map(esc, (device, platform, kind))]
-            cells.append(bar + esc(self._memory(used, limit)))
+            cells.append(bar + esc(_devices.memory_text(used, limit, source)))
             body.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        note = self._note()
+        foot = f'<div style="font-size:11px;color:#666">{esc(note)}</div>' if note else ""
         return (
             f'<table class="mgkit"><caption>{esc(self._title())}</caption><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>"
+            f"<tbody>{''.join(body)}</tbody></table>{foot}"
         )
 
     def _build(self, widgets: Any) -> Any:
@@ -822,30 +939,52 @@ class TransferView(_Plotted):
         self._draw(fig.subplots())
 
 
-def samples_per_second(event: Event) -> float | None:
+def samples_per_second(event: Event, seconds: float | None = None) -> float | None:
     """A step or run event's samples per second: a step's own figure, a run's rows over its
-    time; None when the event does not say."""
+    time (``seconds``: its time without compilation, default the event's); None when the
+    event does not say."""
     try:
         info = event.info
-        rate = float(info["samples_per_second"] if event.kind == "step" else info["rows"] / event.seconds)
+        if event.kind == "step":
+            rate = float(info["samples_per_second"])
+        else:
+            rate = info["rows"] / (event.seconds if seconds is None else seconds)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     return rate if 0.0 <= rate < math.inf else None
 
 
 class _Series:
-    """One context's recent points: completion time, samples per second, step seconds."""
+    """One context's recent points: completion time, samples per second, seconds per step (a
+    fit's iteration, or a call) without compilation, the compilation taken out, and what the
+    point came from (a fit, or a function and path: lines join only points of one source)."""
 
-    __slots__ = ("device", "rate", "step", "t")
+    __slots__ = ("compiled", "device", "last", "rate", "source", "step", "t")
 
     def __init__(self, history: int, device: str):
         self.device = device
         self.t: collections.deque[float] = collections.deque(maxlen=history)
         self.rate: collections.deque[float] = collections.deque(maxlen=history)
         self.step: collections.deque[float] = collections.deque(maxlen=history)
+        self.compiled: collections.deque[float] = collections.deque(maxlen=history)
+        self.source: collections.deque[str] = collections.deque(maxlen=history)
+        self.last: tuple[str, int] = ("", 0)  # the last step event's (fit, iteration)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return tuple(np.fromiter(d, np.float64, len(d)) for d in (self.t, self.rate, self.step))
+
+    def breaks(self) -> np.ndarray:
+        """True before each point whose source differs from the previous point's."""
+        sources = list(self.source)
+        return np.array([False, *(a != b for a, b in itertools.pairwise(sources))], bool)
+
+
+def _with_breaks(x: np.ndarray, y: np.ndarray, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x and y with a NaN point inserted before each break, so a line does not join two sources."""
+    at = np.flatnonzero(breaks)
+    if not at.size:
+        return x, y
+    return np.insert(x, at, np.nan), np.insert(y, at, np.nan)
 
 
 class ThroughputView(_Plotted):
@@ -878,7 +1017,7 @@ class ThroughputView(_Plotted):
 
     kinds = COMPUTE_KINDS
     css_class = "mgkit-throughput"
-    headers = ("context", "device", "samples/s", "mean samples/s", "step time", "points")
+    headers = ("context", "device", "samples/s", "mean samples/s", "step time", "compile excluded", "points")
 
     def __init__(
         self,
@@ -893,6 +1032,7 @@ class ThroughputView(_Plotted):
         self.history = check_count(history, "history", self._where, 2, 100_000, 300)
         self._series: dict[str, _Series] = {}
         self._t0 = time.time()
+        COMPILES.listen()  # from now on, calls that compile are timed without their compilation
         self._start()
 
     def _seed(self) -> None:
@@ -902,26 +1042,56 @@ class ThroughputView(_Plotted):
         self._fold(events)
 
     def _fold(self, events: list[Event]) -> bool:
+        """Adds a point per step or run event. A step's seconds span the iterations since the
+        context's last step (its start is after any compilation), so its time per iteration is
+        its seconds over those iterations; a run is one call, whose seconds may include
+        compiling the program: the compilations JAX reported during the call are taken out."""
         added = False
         contexts, series, t0 = self.contexts, self._series, self._t0
+        spans = ends = None
         for e in events:
             if contexts is not None and e.src not in contexts:
                 continue
-            rate = samples_per_second(e)
+            info = e.info or {}
+            compiled = 0.0
+            if e.kind == "step":
+                source = str(info.get("what", ""))
+                seconds = e.seconds
+            else:
+                source = f"{info.get('fn', '')} ({info.get('path', '')})"
+                if spans is None:
+                    spans = COMPILES.spans()
+                    ends = [end for end, _ in spans]
+                if spans:
+                    compiled = min(COMPILES.within(spans, ends, e.start, e.start + e.seconds), e.seconds)
+                seconds = e.seconds - compiled
+                if seconds <= 0.0:
+                    continue  # all compilation: no time left to rate
+            rate = samples_per_second(e, seconds)
             if rate is None:
                 continue
             points = series.get(e.src)
             if points is None:
                 points = series[e.src] = _Series(self.history, e.src_device)
+            if e.kind == "step":
+                iteration = info.get("iteration")
+                last_source, last_iteration = points.last
+                if isinstance(iteration, int) and iteration > 0:
+                    same = source == last_source and iteration > last_iteration
+                    seconds /= iteration - last_iteration if same else iteration
+                    points.last = (source, iteration)
             points.t.append(e.start + e.seconds - t0)
             points.rate.append(rate)
-            points.step.append(e.seconds)
+            points.step.append(seconds)
+            points.compiled.append(compiled)
+            points.source.append(source)
             added = True
         return added
 
     def series(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """context -> (time in s since the view started, samples per second, step seconds),
-        in the context map's order."""
+        """context -> (time in s since the view started, samples per second, seconds per step),
+        in the context map's order. A step is a fit's iteration or one parallel call; its time
+        leaves out compilation."""
         self.refresh()
         return self._arrays()
 
@@ -931,6 +1101,15 @@ class ThroughputView(_Plotted):
 
     def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return {name: points.arrays() for name, points in self._ordered()}
+
+    def _plotted(self) -> dict[str, tuple]:
+        """context -> (time, samples/s, step seconds, compile seconds taken out, breaks, sources)."""
+        out = {}
+        for name, points in self._ordered():
+            t, rate, step = points.arrays()
+            compiled = np.fromiter(points.compiled, np.float64, len(points.compiled))
+            out[name] = (t, rate, step, compiled, points.breaks(), list(points.source))
+        return out
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
         changed = self._fold(events)
@@ -950,7 +1129,8 @@ class ThroughputView(_Plotted):
                 p.device,
                 _rate(p.rate[-1]),
                 _rate(sum(p.rate) / len(p.rate)),
-                f"{p.step[-1] * 1e3:.2f} ms",
+                _duration(p.step[-1]),
+                f"{sum(p.compiled):.2f} s" if any(p.compiled) else "",
                 len(p.rate),
             )
             for name, p in self._ordered()
@@ -976,15 +1156,17 @@ class ThroughputView(_Plotted):
         return _svg.colors([*_contexts.context_map().names, *names])
 
     def svg(self) -> str:
-        series = self._arrays()
-        panels = [
-            ("samples/s", {n: (t, rate) for n, (t, rate, _) in series.items()}),
-            ("step (ms)", {n: (t, step * 1e3) for n, (t, _, step) in series.items()}),
-        ]
-        return _svg.lines(panels, self._palette(series), "throughput per context", "time (s)")
+        series = self._plotted()
+        rates, steps = {}, {}
+        for name, (t, rate, step, _, breaks, _) in series.items():
+            rates[name] = _with_breaks(t, rate, breaks)
+            steps[name] = _with_breaks(t, step * 1e3, breaks)
+        panels = [("samples/s", rates), ("ms per step", steps)]
+        title = "throughput per context (compilation left out of step times)"
+        return _svg.lines(panels, self._palette(series), title, "time since the view started (s)", log=True)
 
     def _draw(self, ax_rate: Any, ax_step: Any) -> None:
-        series = self._arrays()
+        series = self._plotted()
         draw_throughput(ax_rate, ax_step, series, self._palette(series))
 
     def _draw_figure(self, fig: Any) -> None:

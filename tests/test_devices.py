@@ -1,9 +1,14 @@
 """The device table and simulated devices."""
 
+import gc
+
 import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import mgkit as mg
+from mgkit._table import human_bytes
 from tests.conftest import run_python
 
 
@@ -12,7 +17,8 @@ def test_devices_lists_every_cpu_device_with_short_names():
     assert table.names == [f"cpu{i}" for i in range(8)]
     row = table["cpu3"]
     assert row.platform == "cpu" and row.process_index == 0 and row.device == jax.devices("cpu")[3]
-    assert row.memory_in_use is None and row.memory_limit is None  # memory_stats() is None on CPU
+    # memory_stats() is None on CPU: memory is the bytes of the live arrays there, with no limit
+    assert row.memory_source == "live arrays" and row.memory_in_use >= 0 and row.memory_limit is None
     assert table[0].name == "cpu0" and len(table) == 8 and [r.name for r in table] == table.names
 
 
@@ -20,9 +26,11 @@ def test_devices_text_and_html():
     table = mg.devices()
     text = repr(table)
     assert text.splitlines()[0] == f"8 device(s), jax {jax.__version__}"
-    assert "memory in use / limit" in text and "n/a" in text and "cpu7" in text
+    assert text.splitlines()[1].startswith("memory: the device's allocator statistics where it reports")
+    assert "memory in use / limit" in text and "(live arrays)" in text and "cpu7" in text
     html = table._repr_html_()
-    assert html.startswith('<table class="mgkit">') and "<td>cpu7</td>" in html and "<td>n/a</td>" in html
+    assert html.startswith('<table class="mgkit">') and "<td>cpu7</td>" in html
+    assert " (live arrays)</td>" in html
 
 
 def test_unknown_device_name_in_table():
@@ -36,6 +44,56 @@ def test_memory_column_when_the_device_reports_it():
     dev = jax.devices()[0]
     t = DeviceTable([DeviceInfo("cuda0", "cuda", "H100", "H100", 0, 3 * 2**30, 80 * 2**30, dev)])
     assert "3.0 GiB / 80.0 GiB" in repr(t)
+
+
+def _held(device_index: int) -> int:
+    gc.collect()
+    return mg.devices()[f"cpu{device_index}"].memory_in_use
+
+
+def test_cpu_memory_is_the_bytes_of_the_live_arrays_on_each_device():
+    before = [_held(i) for i in range(8)]
+    x = mg.put(np.ones((256, 1024), np.float32), "dev5")  # 1 MiB on cpu5
+    assert _held(5) - before[5] == 2**20
+    parts = mg.split(np.ones((80, 128), np.float32))  # 10 rows (5 KiB) on each device
+    replicated = jax.device_put(
+        np.ones(1000, np.float32), NamedSharding(jax.make_mesh((8,), ("i",)), PartitionSpec())
+    )  # a copy of 4000 bytes on each device
+    after = [_held(i) for i in range(8)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [
+        10 * 128 * 4 + 4000 + (2**20 if i == 5 else 0) for i in range(8)
+    ]
+    x.delete()  # deleted (or donated) arrays hold nothing
+    assert _held(5) == after[5] - 2**20
+    del parts, replicated
+    assert [_held(i) for i in range(8)] == before
+    text = repr(mg.devices())
+    assert f"{human_bytes(before[5])} (live arrays)" in text
+
+
+def test_memory_usage_prefers_the_allocator_and_reads_live_arrays_once(monkeypatch):
+    from mgkit import _devices
+
+    cpus = jax.devices("cpu")
+    monkeypatch.setattr(_devices, "memory", lambda d: (3 << 30, 16 << 30) if d.id == 2 else (None, None))
+    readings = []
+
+    def live():
+        readings.append(1)
+        return {cpus[0]: 1234}
+
+    usage = _devices.memory_usage([cpus[0], cpus[1], cpus[2], cpus[0]], live)
+    assert usage == {
+        cpus[0]: (1234, None, "live arrays"),
+        cpus[1]: (0, None, "live arrays"),
+        cpus[2]: (3 << 30, 16 << 30, "allocator"),
+    }
+    assert readings == [1]  # one reading of the live arrays for every device without statistics
+    assert _devices.memory_usage([cpus[2]], live) == {cpus[2]: (3 << 30, 16 << 30, "allocator")}
+    assert readings == [1]  # not read at all when every device reports statistics
+    assert _devices.memory_text(3 << 30, 16 << 30, "allocator") == "3.0 GiB / 16.0 GiB (19%)"
+    assert _devices.memory_text(1234, None, "live arrays") == "1.2 KiB (live arrays)"
+    assert _devices.memory_text(None, None, None) == "n/a"
 
 
 def test_importing_mgkit_does_not_start_jax():

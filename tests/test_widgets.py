@@ -83,7 +83,8 @@ def test_device_map_lists_contexts_devices_and_the_current_one():
     default = mg.current()  # dev0 on a CPU-only machine; None where JAX's default device is a GPU
     assert [r[0] for r in view.rows() if r[6]] == ([default] if default else [])
     html = view.widget.children[0].value
-    assert all(f">{n}<" in html or f" {n}<" in html for n in NAMES) and "n/a" in html
+    assert all(f">{n}<" in html or f" {n}<" in html for n in NAMES) and "(live arrays)</td>" in html
+    assert "else the bytes held by live jax arrays on it" in html  # says where the figures come from
     assert "mgkit-devicemap" in view.widget._dom_classes
     before = view.updates
     with mg.on("dev3"):
@@ -103,10 +104,30 @@ def test_device_map_memory_bar_where_the_device_reports_it(monkeypatch):
         return (1 << 30, 4 << 30) if device.id == 1 else (None, None)
 
     monkeypatch.setattr(mg._devices, "memory", memory)
+    monkeypatch.setattr(mg._devices, "live_array_bytes", lambda: {jax.devices("cpu")[0]: 3 << 20})
     view = mg.DeviceMap(contexts=["dev0", "dev1"], widget=True, live=False)
-    assert [(r[4], r[5]) for r in view.rows()] == [(None, None), (1 << 30, 4 << 30)]
-    assert "width:25.0%" in view.widget.children[0].value
-    assert "1.0 GiB / 4.0 GiB (25%)" in repr(view) and "n/a" in repr(view)
+    assert [(r[4], r[5], r[7]) for r in view.rows()] == [
+        (3 << 20, None, "live arrays"),
+        (1 << 30, 4 << 30, "allocator"),
+    ]
+    assert "width:25.0%" in view.widget.children[0].value and "width:100.0%" in view.widget.children[0].value
+    assert "1.0 GiB / 4.0 GiB (25%)" in repr(view) and "3.0 MiB (live arrays)" in repr(view)
+    view.close()
+
+
+def test_device_map_shows_live_array_bytes_on_cpu_and_reads_them_at_most_once_a_second():
+    from mgkit import _widgets
+
+    view = mg.DeviceMap(contexts=["dev6"], widget=True, live=False)
+    before = view.rows()[0][4]
+    x = mg.put(np.ones((512, 1024), np.float32), "dev6")  # 2 MiB
+    assert view.rows()[0][4:6] == (before + 2 * 2**20, None)  # refresh(): a fresh reading
+    readings = _widgets.LIVE_BYTES.readings
+    del x
+    for _ in range(5):  # the live thread's refreshes: one reading a second at most, shared
+        view._refresh(budgeted=True)
+    assert _widgets.LIVE_BYTES.readings - readings <= 1
+    assert "(live arrays)" in view.text() and "memory: the device's allocator statistics" in view.text()
     view.close()
 
 
@@ -225,6 +246,85 @@ def test_throughput_view_follows_parallel_calls_on_eight_contexts():
     series = view.series()
     assert list(series) == NAMES and all(len(s[1]) == 2 and (s[1] > 0).all() for s in series.values())
     assert "8 context(s) reporting" in repr(view)
+
+
+def test_throughput_view_leaves_compilation_out_of_a_calls_time():
+    view = mg.ThroughputView(contexts=["dev0"], widget=False)
+    led = mg.ledger()
+    led.flush()
+    led.clear()
+
+    def add(a):
+        return a + 1.0
+
+    f = mg.parallel(add)
+    x = jnp.ones((64, 4))
+    t0 = time.time()
+    f(x)  # compiles: tracing, lowering and compiling take most of this call
+    f(x)  # the compiled program: no compilation
+    led.flush()
+    first, second = [e for e in led.records("run") if e.src == "dev0"]
+    assert first.info["fn"] == "add" and first.start >= t0
+    spans = _live.COMPILES.spans()
+    compiled = sum(s for end, s in spans if first.start <= end <= first.start + first.seconds)
+    assert 0 < compiled < first.seconds
+    assert sum(s for end, s in spans if second.start <= end <= second.start + second.seconds) == 0
+    _t, rate, step = view.series()["dev0"]
+    assert step.tolist() == pytest.approx([first.seconds - compiled, second.seconds])
+    assert rate.tolist() == pytest.approx([8 / (first.seconds - compiled), 8 / second.seconds])
+    points = view._series["dev0"]
+    assert list(points.compiled) == pytest.approx([compiled, 0.0])
+    row = view.text().splitlines()[-1]
+    assert f"{compiled:.2f} s" in row and "compile excluded" in view.text()
+    view.close()
+
+
+def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
+    led = Ledger()
+    view = mg.ThroughputView(ledger=led, widget=True, live=False)
+    # a fit reports after 100 and 300 iterations (0.5 s and 1.0 s), then another fit after 50
+    led.record(_step("dev0", 1e4, seconds=0.5, iteration=100))
+    led.record(_step("dev0", 1e4, seconds=1.0, iteration=300))
+    second = _step("dev0", 1e4, seconds=0.2, iteration=50)
+    led.record(second._replace(info={**second.info, "what": "another fit"}))
+    led.record(_run("dev0", rows=40, seconds=0.01))
+    _t, _rate, step = view.series()["dev0"]
+    assert step.tolist() == pytest.approx([0.005, 0.005, 0.004, 0.01])  # seconds per iteration, per call
+    points = view._series["dev0"]
+    assert list(points.source) == ["fit", "fit", "another fit", "f (spmd)"]
+    assert points.breaks().tolist() == [False, False, True, True]
+    svg = view.widget.children[1].value
+    # one line per source and panel, each with a marker at every point (not one element per point)
+    assert svg.count("<polyline") == 6 and svg.count("<marker ") == 1 and 'marker-mid="url(#m0)"' in svg
+    assert "ms per step" in svg and "samples/s" in svg and "(log)" not in svg  # 1e4 .. 4e3: linear
+    led.record(_run("dev0", rows=40_000, seconds=0.01))  # now 4e3 .. 4e6 samples/s: a log scale
+    view.refresh()
+    assert "samples/s (log)" in view.widget.children[1].value
+    view.close()
+
+
+def test_throughput_picture_has_markers_labels_and_a_legend_per_context(tmp_path):
+    from matplotlib.lines import Line2D
+
+    led = Ledger()
+    view = mg.ThroughputView(ledger=led, widget=False)
+    for ctx in ("dev0", "dev1"):
+        led.record(_step(ctx, 1e4, seconds=0.5, iteration=100))
+        led.record(_run(ctx, rows=40, seconds=0.01))
+    view.refresh()
+    view._series["dev1"].compiled[-1] = 0.2  # as if dev1's call had compiled
+    fig = view._figure()
+    ax_rate, ax_step = fig.axes
+    legend = [t.get_text() for t in ax_rate.get_legend().get_texts()]
+    assert legend == ["dev0", "dev1", "compiled (left out)"]
+    markers = {line.get_marker() for line in ax_rate.get_lines() if isinstance(line, Line2D)}
+    assert {"o", "s"} <= markers  # one shape per context, drawn at each point
+    assert ax_rate.get_ylabel() == "samples per second"
+    assert ax_step.get_ylabel() == "ms per step\n(compilation left out)"
+    assert ax_step.get_xlabel().startswith("time since the view started (s)")
+    assert {t.get_text() for t in ax_rate.texts} == {"fit", "f (spmd)"}  # each source named once
+    view.save_png(tmp_path / "throughput.png", dpi=40)
+    view.close()
 
 
 # -- dashboard, text, pictures -----------------------------------------------------------------
