@@ -292,7 +292,10 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
     assert step.tolist() == pytest.approx([0.005, 0.005, 0.004, 0.01])  # seconds per iteration, per call
     points = view._series["dev0"]
     assert list(points.source) == ["fit", "fit", "another fit", "f (spmd)"]
-    assert points.breaks().tolist() == [False, False, True, True]
+    led.record(_step("dev0", 1e4, seconds=0.5, iteration=400))  # the first fit again, after the others
+    view.refresh()
+    x, _ = _widgets._by_source(*view.series()["dev0"][:2], list(points.source))
+    assert np.isnan(x).tolist() == [False, False, False, True, False, True, False]  # fit, another, f
     svg = view.widget.children[1].value
     # one line per source and panel, each with a marker at every point (not one element per point)
     assert svg.count("<polyline") == 6 and svg.count("<marker ") == 1 and 'marker-mid="url(#m0)"' in svg
