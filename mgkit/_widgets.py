@@ -999,6 +999,24 @@ def _merged(parts: list[tuple]) -> tuple:
     )
 
 
+_BUCKET = 10.0  # events per source and context that end within 1 / _BUCKET s may make one point
+
+
+def _chunks(group: list[tuple[int, Event]]) -> list[list[tuple[int, Event]]]:
+    """``group`` cut where an event ends in another tenth of a second than the one before."""
+    out: list[list[tuple[int, Event]]] = []
+    last = None
+    for item in group:
+        e = item[1]
+        bucket = int((e.start + e.seconds) * _BUCKET)
+        if bucket != last:
+            out.append([item])
+            last = bucket
+        else:
+            out[-1].append(item)
+    return out
+
+
 def _summed_runs(group: list[tuple[int, Event]], spans: list, ends: list, t0: float) -> list | None:
     """The one point of many run events of one function on one context, summed in one pass;
     None where that does not apply (step events, a compilation during them, an event that does
@@ -1103,9 +1121,10 @@ class ThroughputView(_Plotted):
         its seconds over those iterations; a run is one call, whose seconds may include
         compiling the program: the compilations JAX reported during the call are taken out.
 
-        Events that come faster than the view refreshes are summed: more than ``_MERGE_OVER``
-        events of one fit or function on one context since the last refresh make one point
-        (their samples over their time, their time over their steps).
+        Events that come faster than a view can show are summed: more than ``_MERGE_OVER``
+        events of one fit or function on one context that end within one tenth of a second
+        make one point (their samples over their time, their time over their steps), whether
+        they arrive live or are read from the ledger later.
         """
         groups: dict[tuple, list[tuple[int, Event]]] = {}  # per context and fit, or function and path
         contexts = self.contexts
@@ -1132,16 +1151,15 @@ class ThroughputView(_Plotted):
         points: list[tuple] = []  # (arrival, point, context, device, source): shown in arrival order
         for (ctx, a, b), group in groups.items():
             source = str(b or "") if a == "step" else f"{a or ''} ({b or ''})"
-            parts = None
-            if len(group) > _MERGE_OVER:
-                parts = _summed_runs(group, spans, ends, self._t0)
-            if parts is None:
-                parts = [(i, self._point(e, source, spans, ends)) for i, e in group]
-                parts = [(i, p) for i, p in parts if p is not None]
-                if len(parts) > _MERGE_OVER:
-                    parts = [(parts[-1][0], _merged([p for _, p in parts]))]
             device = group[0][1].src_device
-            points.extend((i, p, ctx, device, source) for i, p in parts)
+            for chunk in _chunks(group) if len(group) > _MERGE_OVER else (group,):
+                parts = _summed_runs(chunk, spans, ends, self._t0) if len(chunk) > _MERGE_OVER else None
+                if parts is None:
+                    parts = [(i, self._point(e, source, spans, ends)) for i, e in chunk]
+                    parts = [(i, p) for i, p in parts if p is not None]
+                    if len(parts) > _MERGE_OVER:
+                        parts = [(parts[-1][0], _merged([p for _, p in parts]))]
+                points.extend((i, p, ctx, device, source) for i, p in parts)
         points.sort(key=operator.itemgetter(0))
         series, history = self._series, self.history
         for _, (t, rate, step, compiled, _), ctx, device, source in points:

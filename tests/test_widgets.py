@@ -306,6 +306,27 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
     view.close()
 
 
+def test_throughput_view_sums_events_that_come_faster_than_it_can_show():
+    led = Ledger()
+    now = float(int(time.time())) + 0.02  # a whole second and a bit: the burst ends in one tenth
+    # 40 calls within one tenth of a second, then 30 steps of a fit, one a second
+    burst = [_run("dev0", rows=10 + i, seconds=0.001)._replace(start=now + 0.0001 * i) for i in range(40)]
+    steps = [
+        _step("dev1", 1000.0 + i, seconds=1.0, iteration=10 * (i + 1))._replace(start=now + i)
+        for i in range(30)
+    ]
+    led.record(burst + steps)
+    view = mg.ThroughputView(ledger=led, widget=False, live=False)  # read from the ledger at once
+    series = view.series()
+    _, rate, step = series["dev0"]
+    rows = sum(10 + i for i in range(40))
+    assert rate.tolist() == pytest.approx([rows / 0.04]) and step.tolist() == pytest.approx([0.001])
+    _, rate, step = series["dev1"]
+    assert len(rate) == 30 and rate[-1] == 1029.0  # a second apart: every step is its own point
+    assert step.tolist() == pytest.approx([0.1] * 30)  # 1 s over 10 iterations
+    view.close()
+
+
 def test_throughput_picture_has_markers_labels_and_a_legend_per_context(tmp_path):
     from matplotlib.lines import Line2D
 
