@@ -10,10 +10,12 @@ just sets values, which ipywidgets sends to the browser even while a cell runs.
 Pictures redraw at most PICTURE_RATE times a second, and within a time budget: a redraw that
 took ``c`` seconds is followed by none for ``c / DRAW_SHARE`` seconds, so each picture takes at
 most ~0.3 % of the wall time. Text values follow at the view's full rate. The thread as a whole
-keeps to a budget too: after a round of refreshes that took ``c`` seconds it sleeps at least
-``c / THREAD_SHARE`` seconds, so however many events arrive and however many views there are,
-it takes at most ~1 % of a core (and of the GIL) from the work it watches; under a heavy stream
-of events the views refresh less often, never the work more slowly.
+keeps to a budget too: after a round of refreshes that used ``c`` seconds of its CPU time it
+sleeps at least ``c / THREAD_SHARE`` seconds, so however many events arrive and however many
+views there are, it takes at most ~1 % of a core (and of the GIL) from the work it watches;
+under a heavy stream of events the views refresh less often, never the work more slowly. Costs
+are the thread's own CPU time (``time.thread_time``), not wall time: on a busy machine a round
+that waited for a core or for the GIL is not charged for the wait.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ class Feed:
 
 class Throttled:
     """A costly reading (``fn()``) that live views share: taken again at most once per
-    ``period`` seconds, and after a reading that took ``c`` seconds not before ``c / share``
-    seconds, so it takes at most ``share`` of the wall time; in between, the last value."""
+    ``period`` seconds, and after a reading that used ``c`` seconds of CPU time not before
+    ``c / share`` seconds, so it takes at most ``share`` of a core; in between, the last value."""
 
     def __init__(self, fn: Callable[[], Any], period: float, share: float):
         self.fn, self.period, self.share = fn, period, share
@@ -141,9 +143,9 @@ class Throttled:
         with self._lock:
             now = time.monotonic()
             if fresh or self.readings == 0 or now >= self._next:
-                t0 = time.perf_counter()
+                t0 = time.thread_time()
                 self._value = self.fn()
-                cost = time.perf_counter() - t0
+                cost = time.thread_time() - t0
                 self._next = now + max(self.period, cost / self.share)
                 self.readings += 1
             return self._value
@@ -252,12 +254,12 @@ class Refresher:
                 if not self._views:
                     self._thread = None
                     return
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 self.tick()
             except Exception:  # noqa: BLE001  # pragma: no cover - interpreter shutdown
                 return
-            cost = time.perf_counter() - t0
+            cost = time.thread_time() - t0
             self.busy += cost
             time.sleep(max(self.period, cost / self.share))
 
