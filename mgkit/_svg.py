@@ -73,11 +73,14 @@ def _thin(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _segments(px: np.ndarray, py: np.ndarray, finite: np.ndarray) -> list[str]:
-    """The ``points`` text of each run of finite points."""
+    """The ``points`` text of each run of finite points (whole pixels: ints print fast)."""
+    if finite.all():
+        return [" ".join(map(str, np.rint(np.column_stack([px, py])).astype(np.int32).ravel().tolist()))]
     out = []
     edges = np.flatnonzero(np.diff(np.concatenate([[False], finite, [False]]).astype(np.int8)))
     for lo, hi in zip(edges[::2], edges[1::2], strict=True):
-        out.append(" ".join(map(str, np.column_stack([px[lo:hi], py[lo:hi]]).round(1).ravel().tolist())))
+        xy = np.rint(np.column_stack([px[lo:hi], py[lo:hi]])).astype(np.int32)
+        out.append(" ".join(map(str, xy.ravel().tolist())))
     return out
 
 

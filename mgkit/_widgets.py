@@ -14,7 +14,6 @@ import abc
 import collections
 import heapq
 import html
-import itertools
 import math
 import operator
 import os
@@ -34,6 +33,7 @@ from ._live import (
     DRAW_SHARE,
     PICTURE_RATE,
     REFRESHER,
+    CompileClock,
     Feed,
     Throttled,
     check_count,
@@ -192,18 +192,18 @@ def draw_throughput(ax_rate, ax_step, series: dict[str, tuple], colors: dict[str
     time.
 
     series: context -> (time in s, samples per second, step seconds, compile seconds taken out,
-    breaks: True before a point of another source, the source of each point).
+    the source of each point).
     """
     ax_rate.clear()
     ax_step.clear()
     named: set[str] = set()
     rings = False
-    for i, (name, (t, rate, step, compiled, breaks, sources)) in enumerate(series.items()):
+    for i, (name, (t, rate, step, compiled, sources)) in enumerate(series.items()):
         color = colors.get(name)
         marker = _MARKERS[i % len(_MARKERS)]
         style = {"ls": "none", "marker": marker, "ms": 5.5, "mfc": "none", "mew": 1.1, "color": color}
         for ax, y in ((ax_rate, rate), (ax_step, step * 1e3)):
-            ax.plot(*_with_breaks(t, y, breaks), lw=0.8, alpha=0.5, color=color)
+            ax.plot(*_by_source(t, y, sources), lw=0.8, alpha=0.5, color=color)
             ax.plot(t, y, **style)
             hot = compiled > 0
             if hot.any():
@@ -560,10 +560,10 @@ class _Plotted(LiveView):
         now = time.monotonic()
         if budgeted and now < self._draw_next:
             return False
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         version = self._version
         self._plot.value = self.svg()
-        cost = time.perf_counter() - t0
+        cost = time.thread_time() - t0
         self._draw_next = now + max(1.0 / min(self.rate, PICTURE_RATE), cost / DRAW_SHARE)
         self._drawn = version
         self.redraws += 1
@@ -876,7 +876,8 @@ class TransferView(_Plotted):
         if self.contexts is not None:
             events = [e for e in events if self._keep(e.src, e.dst)]
         if events:  # copies finish out of order: the table lists the newest by start, like the ledger
-            newest = heapq.nlargest(self.max_rows, events, key=_START)
+            # (they are recorded nearly in order: the newest by start are among the last recorded)
+            newest = heapq.nlargest(self.max_rows, events[-max(8 * self.max_rows, 256) :], key=_START)
             merged = sorted([*self._recent, *newest], key=_START)[-self.max_rows :]
             self._recent.clear()
             self._recent.extend(merged)
@@ -959,7 +960,7 @@ class _Series:
     fit's iteration, or a call) without compilation, the compilation taken out, and what the
     point came from (a fit, or a function and path: lines join only points of one source)."""
 
-    __slots__ = ("compiled", "device", "last", "rate", "source", "step", "t")
+    __slots__ = ("compiled", "device", "rate", "source", "step", "t")
 
     def __init__(self, history: int, device: str):
         self.device = device
@@ -968,23 +969,95 @@ class _Series:
         self.step: collections.deque[float] = collections.deque(maxlen=history)
         self.compiled: collections.deque[float] = collections.deque(maxlen=history)
         self.source: collections.deque[str] = collections.deque(maxlen=history)
-        self.last: tuple[str, int] = ("", 0)  # the last step event's (fit, iteration)
+
+    def add(self, t: float, rate: float, step: float, compiled: float, source: str) -> None:
+        self.t.append(t)
+        self.rate.append(rate)
+        self.step.append(step)
+        self.compiled.append(compiled)
+        self.source.append(source)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return tuple(np.fromiter(d, np.float64, len(d)) for d in (self.t, self.rate, self.step))
 
-    def breaks(self) -> np.ndarray:
-        """True before each point whose source differs from the previous point's."""
-        sources = list(self.source)
-        return np.array([False, *(a != b for a, b in itertools.pairwise(sources))], bool)
+
+_MERGE_OVER = 4  # events of one source and context per refresh shown one by one, at most
 
 
-def _with_breaks(x: np.ndarray, y: np.ndarray, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x and y with a NaN point inserted before each break, so a line does not join two sources."""
-    at = np.flatnonzero(breaks)
-    if not at.size:
+def _merged(parts: list[tuple]) -> tuple:
+    """One point for several of one source: the last time, all samples over all the time, all
+    the time over all the steps, the compilation left out of all of them."""
+    samples = sum(p[4][0] for p in parts)
+    steps = sum(p[4][1] for p in parts)
+    seconds = sum(p[2] * p[4][1] for p in parts)
+    return (
+        max(p[0] for p in parts),
+        samples / seconds if seconds > 0 else parts[-1][1],
+        seconds / steps,
+        sum(p[3] for p in parts),
+        (samples, steps),
+    )
+
+
+_BUCKET = 10.0  # events per source and context that end within 1 / _BUCKET s may make one point
+
+
+def _chunks(group: list[tuple[int, Event]]) -> list[list[tuple[int, Event]]]:
+    """``group`` cut where an event ends in another tenth of a second than the one before."""
+    out: list[list[tuple[int, Event]]] = []
+    last = None
+    for item in group:
+        e = item[1]
+        bucket = int((e.start + e.seconds) * _BUCKET)
+        if bucket != last:
+            out.append([item])
+            last = bucket
+        else:
+            out[-1].append(item)
+    return out
+
+
+def _summed_runs(group: list[tuple[int, Event]], spans: list, ends: list, t0: float) -> list | None:
+    """The one point of many run events of one function on one context, summed in one pass;
+    None where that does not apply (step events, a compilation during them, an event that does
+    not say its rows), and the caller takes them one by one."""
+    rows = 0
+    seconds = 0.0
+    start = end = group[0][1].start
+    try:
+        for _, e in group:
+            if e.kind != "run":
+                return None
+            rows += e.info["rows"]
+            seconds += e.seconds
+            start = min(start, e.start)
+            end = max(end, e.start + e.seconds)
+    except (KeyError, TypeError):
+        return None
+    if not (seconds > 0 and rows >= 0):
+        return None
+    if spans and CompileClock.within(spans, ends, start, end) > 0:
+        return None
+    return [(group[-1][0], (end - t0, rows / seconds, seconds / len(group), 0.0, (rows, len(group))))]
+
+
+def _by_source(x: np.ndarray, y: np.ndarray, sources: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """x and y regrouped by source (each source's points in order, a NaN between two sources),
+    so that a line joins the points of one fit or function even where another's come between."""
+    kinds = list(dict.fromkeys(sources))
+    if len(kinds) <= 1:
         return x, y
-    return np.insert(x, at, np.nan), np.insert(y, at, np.nan)
+    which = np.array([kinds.index(s) for s in sources]) if len(kinds) > 8 else None
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    gap = np.array([np.nan])
+    for k, kind in enumerate(kinds):
+        keep = (
+            which == k if which is not None else np.fromiter((s == kind for s in sources), bool, len(sources))
+        )
+        xs += [x[keep], gap]
+        ys += [y[keep], gap]
+    return np.concatenate(xs[:-1]), np.concatenate(ys[:-1])
 
 
 class ThroughputView(_Plotted):
@@ -997,7 +1070,7 @@ class ThroughputView(_Plotted):
       contexts: show only these contexts (default: all).
       history: points kept per context, 2 to 100000 (older points drop out).
       rate: refreshes per second, above 0 and at most 10 (the plot itself redraws at most 4
-        times a second, and less often when drawing is slow: it takes at most ~1 % of the time).
+        times a second, and less often when drawing is slow: it takes at most ~0.3 % of the time).
       ledger: the ledger to follow (default ``mg.ledger()``).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.
@@ -1031,6 +1104,7 @@ class ThroughputView(_Plotted):
         super().__init__(rate, ledger, widget, live, contexts)
         self.history = check_count(history, "history", self._where, 2, 100_000, 300)
         self._series: dict[str, _Series] = {}
+        self._last: dict[str, tuple[str, int]] = {}  # each context's last step: (fit, iteration)
         self._t0 = time.time()
         COMPILES.listen()  # from now on, calls that compile are timed without their compilation
         self._start()
@@ -1045,48 +1119,79 @@ class ThroughputView(_Plotted):
         """Adds a point per step or run event. A step's seconds span the iterations since the
         context's last step (its start is after any compilation), so its time per iteration is
         its seconds over those iterations; a run is one call, whose seconds may include
-        compiling the program: the compilations JAX reported during the call are taken out."""
-        added = False
-        contexts, series, t0 = self.contexts, self._series, self._t0
-        spans = ends = None
-        for e in events:
+        compiling the program: the compilations JAX reported during the call are taken out.
+
+        Events that come faster than a view can show are summed: more than ``_MERGE_OVER``
+        events of one fit or function on one context that end within one tenth of a second
+        make one point (their samples over their time, their time over their steps), whether
+        they arrive live or are read from the ledger later.
+        """
+        groups: dict[tuple, list[tuple[int, Event]]] = {}  # per context and fit, or function and path
+        contexts = self.contexts
+        for i, e in enumerate(events):
             if contexts is not None and e.src not in contexts:
                 continue
-            info = e.info or {}
-            compiled = 0.0
-            if e.kind == "step":
-                source = str(info.get("what", ""))
-                seconds = e.seconds
-            else:
-                source = f"{info.get('fn', '')} ({info.get('path', '')})"
-                if spans is None:
-                    spans = COMPILES.spans()
-                    ends = [end for end, _ in spans]
-                if spans:
-                    compiled = min(COMPILES.within(spans, ends, e.start, e.start + e.seconds), e.seconds)
-                seconds = e.seconds - compiled
-                if seconds <= 0.0:
-                    continue  # all compilation: no time left to rate
-            rate = samples_per_second(e, seconds)
-            if rate is None:
+            info = e.info
+            try:
+                if e.kind == "step":
+                    key = (e.src, "step", info.get("what"))
+                else:
+                    key = (e.src, info.get("fn"), info.get("path"))
+            except AttributeError:  # no info: no rate
                 continue
-            points = series.get(e.src)
-            if points is None:
-                points = series[e.src] = _Series(self.history, e.src_device)
-            if e.kind == "step":
-                iteration = info.get("iteration")
-                last_source, last_iteration = points.last
-                if isinstance(iteration, int) and iteration > 0:
-                    same = source == last_source and iteration > last_iteration
-                    seconds /= iteration - last_iteration if same else iteration
-                    points.last = (source, iteration)
-            points.t.append(e.start + e.seconds - t0)
-            points.rate.append(rate)
-            points.step.append(seconds)
-            points.compiled.append(compiled)
-            points.source.append(source)
-            added = True
-        return added
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [(i, e)]
+            else:
+                group.append((i, e))
+        if not groups:
+            return False
+        spans = COMPILES.spans()
+        ends = [end for end, _ in spans]
+        points: list[tuple] = []  # (arrival, point, context, device, source): shown in arrival order
+        for (ctx, a, b), group in groups.items():
+            source = str(b or "") if a == "step" else f"{a or ''} ({b or ''})"
+            device = group[0][1].src_device
+            for chunk in _chunks(group) if len(group) > _MERGE_OVER else (group,):
+                parts = _summed_runs(chunk, spans, ends, self._t0) if len(chunk) > _MERGE_OVER else None
+                if parts is None:
+                    parts = [(i, self._point(e, source, spans, ends)) for i, e in chunk]
+                    parts = [(i, p) for i, p in parts if p is not None]
+                    if len(parts) > _MERGE_OVER:
+                        parts = [(parts[-1][0], _merged([p for _, p in parts]))]
+                points.extend((i, p, ctx, device, source) for i, p in parts)
+        points.sort(key=operator.itemgetter(0))
+        series, history = self._series, self.history
+        for _, (t, rate, step, compiled, _), ctx, device, source in points:
+            line = series.get(ctx)
+            if line is None:
+                line = series[ctx] = _Series(history, device)
+            line.add(t, rate, step, compiled, source)
+        return bool(points)
+
+    def _point(self, e: Event, source: str, spans: list, ends: list) -> tuple | None:
+        """(time, samples/s, seconds per step, compile seconds left out, (samples, steps)) of one
+        event, or None when it says no rate."""
+        compiled = 0.0
+        seconds = e.seconds
+        steps = 1
+        if e.kind != "step":
+            if spans:
+                compiled = min(COMPILES.within(spans, ends, e.start, e.start + seconds), seconds)
+                seconds -= compiled
+            if seconds <= 0.0:
+                return None  # all compilation: no time left to rate
+        rate = samples_per_second(e, seconds)
+        if rate is None:
+            return None
+        if e.kind == "step":
+            iteration = e.info.get("iteration")
+            last_source, last_iteration = self._last.get(e.src, ("", 0))
+            if isinstance(iteration, int) and iteration > 0:
+                same = source == last_source and iteration > last_iteration
+                steps = iteration - last_iteration if same else iteration
+                self._last[e.src] = (source, iteration)
+        return e.start + e.seconds - self._t0, rate, seconds / steps, compiled, (rate * seconds, steps)
 
     def series(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """context -> (time in s since the view started, samples per second, seconds per step),
@@ -1103,12 +1208,12 @@ class ThroughputView(_Plotted):
         return {name: points.arrays() for name, points in self._ordered()}
 
     def _plotted(self) -> dict[str, tuple]:
-        """context -> (time, samples/s, step seconds, compile seconds taken out, breaks, sources)."""
+        """context -> (time, samples/s, step seconds, compile seconds taken out, sources)."""
         out = {}
         for name, points in self._ordered():
             t, rate, step = points.arrays()
             compiled = np.fromiter(points.compiled, np.float64, len(points.compiled))
-            out[name] = (t, rate, step, compiled, points.breaks(), list(points.source))
+            out[name] = (t, rate, step, compiled, list(points.source))
         return out
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
@@ -1158,9 +1263,9 @@ class ThroughputView(_Plotted):
     def svg(self) -> str:
         series = self._plotted()
         rates, steps = {}, {}
-        for name, (t, rate, step, _, breaks, _) in series.items():
-            rates[name] = _with_breaks(t, rate, breaks)
-            steps[name] = _with_breaks(t, step * 1e3, breaks)
+        for name, (t, rate, step, _, sources) in series.items():
+            rates[name] = _by_source(t, rate, sources)
+            steps[name] = _by_source(t, step * 1e3, sources)
         panels = [("samples/s", rates), ("ms per step", steps)]
         title = "throughput per context (compilation left out of step times)"
         return _svg.lines(panels, self._palette(series), title, "time since the view started (s)", log=True)

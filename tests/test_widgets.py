@@ -292,7 +292,10 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
     assert step.tolist() == pytest.approx([0.005, 0.005, 0.004, 0.01])  # seconds per iteration, per call
     points = view._series["dev0"]
     assert list(points.source) == ["fit", "fit", "another fit", "f (spmd)"]
-    assert points.breaks().tolist() == [False, False, True, True]
+    led.record(_step("dev0", 1e4, seconds=0.5, iteration=400))  # the first fit again, after the others
+    view.refresh()
+    x, _ = _widgets._by_source(*view.series()["dev0"][:2], list(points.source))
+    assert np.isnan(x).tolist() == [False, False, False, True, False, True, False]  # fit, another, f
     svg = view.widget.children[1].value
     # one line per source and panel, each with a marker at every point (not one element per point)
     assert svg.count("<polyline") == 6 and svg.count("<marker ") == 1 and 'marker-mid="url(#m0)"' in svg
@@ -300,6 +303,27 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
     led.record(_run("dev0", rows=40_000, seconds=0.01))  # now 4e3 .. 4e6 samples/s: a log scale
     view.refresh()
     assert "samples/s (log)" in view.widget.children[1].value
+    view.close()
+
+
+def test_throughput_view_sums_events_that_come_faster_than_it_can_show():
+    led = Ledger()
+    now = float(int(time.time())) + 0.02  # a whole second and a bit: the burst ends in one tenth
+    # 40 calls within one tenth of a second, then 30 steps of a fit, one a second
+    burst = [_run("dev0", rows=10 + i, seconds=0.001)._replace(start=now + 0.0001 * i) for i in range(40)]
+    steps = [
+        _step("dev1", 1000.0 + i, seconds=1.0, iteration=10 * (i + 1))._replace(start=now + i)
+        for i in range(30)
+    ]
+    led.record(burst + steps)
+    view = mg.ThroughputView(ledger=led, widget=False, live=False)  # read from the ledger at once
+    series = view.series()
+    _, rate, step = series["dev0"]
+    rows = sum(10 + i for i in range(40))
+    assert rate.tolist() == pytest.approx([rows / 0.04]) and step.tolist() == pytest.approx([0.001])
+    _, rate, step = series["dev1"]
+    assert len(rate) == 30 and rate[-1] == 1029.0  # a second apart: every step is its own point
+    assert step.tolist() == pytest.approx([0.1] * 30)  # 1 s over 10 iterations
     view.close()
 
 
