@@ -18,7 +18,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
 import mgkit as mg
-from mgkit import _logreg
+from mgkit.logreg import _checks, _fit, _programs, _solver
 
 lr = mg.logreg
 
@@ -98,15 +98,15 @@ def test_c_maps_to_l2(small):
 
 
 def test_short_sums_skip_the_tree_split_on_cpus_only():
-    opts = _logreg._options("auto", None, 1e-5, 0.1, False, "test")
-    spec = functools.partial(_logreg._spec, opts, reduce=False, models=1, held=400)
+    opts = _checks.options("auto", None, 1e-5, 0.1, False, "test")
+    spec = functools.partial(_programs.make_spec, opts, reduce=False, models=1, held=400)
     assert spec(784, 1, "cpu", rows=400).short_sums  # seed 000
     assert spec(100, 1, "cpu", rows=12_500).short_sums  # 100k rows over 8 contexts
     assert not spec(100, 1, "cpu", rows=100_000).short_sums  # one context's 100k-row sums are split
     assert not spec(20_000, 1, "cpu", rows=400).short_sums  # 20k parameters
     assert not spec(784, 1, "gpu", rows=400).short_sums
-    short = _logreg._local_program(spec(784, 1, "cpu", rows=400))
-    long = _logreg._local_program(spec(784, 1, "cpu", rows=100_000))
+    short = _programs.local_program(spec(784, 1, "cpu", rows=400))
+    long = _programs.local_program(spec(784, 1, "cpu", rows=100_000))
     args = (
         np.ones((400, 784), np.float32), np.zeros(400, np.int32), np.ones((400, 1), np.float32),
         np.zeros((784, 1, 1), np.float32), np.zeros((1, 1), np.float32), np.full(1, 0.01, np.float32),
@@ -120,7 +120,7 @@ def test_short_sums_skip_the_tree_split_on_cpus_only():
 def test_the_gradient_sum_in_halves_is_the_sum_over_rows(n):
     rng = np.random.default_rng(n)
     X, r = rng.standard_normal((n, 4)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    got = jax.jit(_logreg._halves_sum)(X, r)
+    got = jax.jit(_solver._halves_sum)(X, r)
     np.testing.assert_allclose(np.asarray(got), (X * r[:, None]).sum(0), rtol=1e-5, atol=1e-6)
 
 
@@ -245,9 +245,9 @@ def test_per_device_equals_fitting_each_alone_on_shared_devices(small):
 @pytest.mark.parametrize("solver", ["newton", "lbfgs", "gd"])
 def test_contexts_sharing_a_device_fit_in_one_program(small, solver, monkeypatch):
     calls = []
-    program = _logreg._per_device_program
+    program = _fit.per_device_program
     monkeypatch.setattr(
-        _logreg, "_per_device_program", lambda spec, stacked: calls.append(stacked) or program(spec, stacked)
+        _fit, "per_device_program", lambda spec, stacked: calls.append(stacked) or program(spec, stacked)
     )
     X, y = small
     rng = np.random.default_rng(5)
@@ -288,8 +288,8 @@ def test_per_device_spmd_models_live_on_their_devices_and_equal_fitting_alone(st
         else None
     )
     calls = []
-    spmd = _logreg._per_device_spmd
-    monkeypatch.setattr(_logreg, "_per_device_spmd", lambda *a: calls.append(1) or spmd(*a))
+    spmd = _fit._per_device_spmd
+    monkeypatch.setattr(_fit, "_per_device_spmd", lambda *a: calls.append(1) or spmd(*a))
     models = lr.fit_per_device(data, l2={"dev0": 0.01, "dev3": 0.03, "dev5": 0.1}, init=init)
     assert calls == [1]
     for ctx, m in models.items():
@@ -364,7 +364,7 @@ def test_fit_many_ten_classes_several_per_device(digits):
 
 def test_step_events_per_context(small, monkeypatch):
     X, y = small
-    monkeypatch.setattr(_logreg, "_REPORT_WORK", {"cpu": 1})  # a report interval of one iteration
+    monkeypatch.setattr(_programs, "_REPORT_WORK", {"cpu": 1})  # a report interval of one iteration
     lr.fit(X, y, l2=0.01, solver="newton")
     steps = mg.ledger().records("step")
     assert {e.src for e in steps} == {f"dev{i}" for i in range(8)}
@@ -413,7 +413,8 @@ def test_a_fit_in_many_calls_equals_one_call_in_every_layout(small, solver, monk
     whole = _every_layout(X, y, kw)
     assert not mg.ledger().records("step") or all(e.info["final"] for e in mg.ledger().records("step"))
     mg.ledger().clear()
-    monkeypatch.setattr(_logreg, "_every", lambda *a, **k: 3)  # a call runs 3 iterations at most
+    # a call runs 3 iterations at most
+    monkeypatch.setattr(_programs, "iterations_per_call", lambda *a, **k: 3)
     chunked = _every_layout(X, y, kw)
     _assert_same_fits(chunked, whole)
     # between calls the host records each context's step: every third iteration, then the last
@@ -435,8 +436,8 @@ def test_step_lengths_tried_at_once_equal_the_backtracking_loop(small, case, mon
     elif case.endswith("classes"):
         y = np.digitize(X @ np.array([1.0, -2.0, 0.5, 0.0, 1.5]), [-1, 0, 1])
     loop = _every_layout(X, y, kw)
-    spec = _logreg._spec
-    monkeypatch.setattr(_logreg, "_spec", lambda *a, **k: spec(*a, **k)._replace(batched_search=True))
+    spec = _programs.make_spec
+    monkeypatch.setattr(_fit, "make_spec", lambda *a, **k: spec(*a, **k)._replace(batched_search=True))
     at_once = _every_layout(X, y, kw)
     if case != "backtracking":
         _assert_same_fits(at_once, loop, atol=1e-5, rtol=1e-5)
@@ -448,21 +449,22 @@ def test_step_lengths_tried_at_once_equal_the_backtracking_loop(small, case, mon
         for k in want:
             assert np.all(np.asarray(got[k].info.converged)), layout
             np.testing.assert_allclose(got[k].info.history()[-1], want[k].info.history()[-1], rtol=1e-5)
-    monkeypatch.setattr(_logreg, "_BACKTRACKS", 0)  # no halving: the fit stalls at once
+    monkeypatch.setattr(_solver, "BACKTRACKS", 0)  # no halving: the fit stalls at once
     stalled = lr.fit(X, y, **kw, contexts=1)
     assert int(stalled.info.iterations) < int(at_once["fit"].info.iterations) // 4
 
 
 def test_step_lengths_are_tried_at_once_on_accelerators_where_the_trials_are_few():
-    opts = _logreg._options("lbfgs", None, 1e-5, 0.1, False, "test")
-    assert _logreg._spec(opts, 784, 1, "gpu", False, rows=400, models=8, held=3200).batched_search
-    assert not _logreg._spec(opts, 784, 1, "cpu", False, rows=400, models=8, held=3200).batched_search
-    assert not _logreg._spec(opts, 100, 1, "gpu", False, rows=10**6, models=1, held=10**6).batched_search
+    opts = _checks.options("lbfgs", None, 1e-5, 0.1, False, "test")
+    spec = _programs.make_spec
+    assert spec(opts, 784, 1, "gpu", False, rows=400, models=8, held=3200).batched_search
+    assert not spec(opts, 784, 1, "cpu", False, rows=400, models=8, held=3200).batched_search
+    assert not spec(opts, 100, 1, "gpu", False, rows=10**6, models=1, held=10**6).batched_search
 
 
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")
 def test_steps_are_timed_from_when_the_work_began_not_from_the_compile(monkeypatch):
-    monkeypatch.setattr(_logreg, "_every", lambda *a, **k: 3)
+    monkeypatch.setattr(_programs, "iterations_per_call", lambda *a, **k: 3)
     rng = np.random.default_rng(7)
     X = rng.standard_normal((211, 7))  # a shape no other test fits: every program compiles here
     y = (X[:, 0] + rng.standard_normal(211) > 0).astype(int)
@@ -476,7 +478,7 @@ def test_steps_are_timed_from_when_the_work_began_not_from_the_compile(monkeypat
 
 
 def test_a_fit_in_many_calls_stops_at_once_on_nan(monkeypatch):
-    monkeypatch.setattr(_logreg, "_every", lambda *a, **k: 2)
+    monkeypatch.setattr(_programs, "iterations_per_call", lambda *a, **k: 2)
     X = np.ones((20, 3))
     X[3, 1] = np.nan
     for solver in ("gd", "lbfgs"):
@@ -494,7 +496,7 @@ def test_a_fit_shorter_than_the_report_interval_reports_its_last_step_only(small
 
 
 def test_reports_come_about_a_tenth_of_a_second_of_work_apart():
-    every = _logreg._every
+    every = _programs.iterations_per_call
     assert every("lbfgs", 784, 1, "cpu", 400) == 797  # seed 000: 400 x 785 per iteration
     assert every("lbfgs", 100, 1, "cpu", 100_000) == 25  # 100k x 101
     assert every("newton", 30, 1, "cpu", 569) == 458  # a 31 x 31 Hessian per row
@@ -539,13 +541,13 @@ def test_convergence_failures_warn_with_the_gradient(small):
 
 def test_large_finite_features_whose_sum_overflows_are_not_taken_for_inf():
     big = np.full((4, 2), 3e38, np.float32)  # the float32 sum overflows; every value is finite
-    _logreg._check_finite([big, mg.put(big, "dev0")], ["X", "X placed"], "test")
+    _checks.check_finite([big, mg.put(big, "dev0")], ["X", "X placed"], "test")
     bad = big.copy()
     bad[2, 1] = -np.inf
     with pytest.raises(
         ValueError, match=r"X placed has 1 NaN or infinite value\(s\), the first at row 2, column 1"
     ):
-        _logreg._check_finite([big, mg.put(bad, "dev0")], ["X", "X placed"], "test")
+        _checks.check_finite([big, mg.put(bad, "dev0")], ["X", "X placed"], "test")
 
 
 # -- bad input -----------------------------------------------------------------------------
@@ -702,7 +704,7 @@ def test_predict_checks_the_feature_count(small):
     )
 )
 def test_label_counting_matches_sorting(y):
-    classes, index = _logreg._distinct(y)
+    classes, index = _checks.distinct(y)
     want, want_index = np.unique(y, return_inverse=True)
     assert classes.dtype == want.dtype and classes.tolist() == want.tolist()
     assert index.tolist() == want_index.tolist()
@@ -710,7 +712,7 @@ def test_label_counting_matches_sorting(y):
 
 def test_label_counting_keeps_huge_unsigned_labels():
     y = np.array([2**64 - 1, 2**64 - 2, 2**64 - 1], np.uint64)
-    classes, index = _logreg._distinct(y)
+    classes, index = _checks.distinct(y)
     assert classes.tolist() == [2**64 - 2, 2**64 - 1] and index.tolist() == [1, 0, 1]
 
 

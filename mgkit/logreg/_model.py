@@ -1,0 +1,203 @@
+"""The fitted model: pure data, and prediction and scoring (pure, jittable)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from .. import _contexts
+from .._transfer import place
+
+HI = jax.lax.Precision.HIGHEST
+
+
+class ConvergenceWarning(UserWarning):
+    """A fit stopped before its gradient reached the tolerance."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitInfo:
+    """How a fit went: host numpy (the fit fetches these facts once, when it ends), a leading
+    axis of K models for ``fit_many``.
+
+    Attributes:
+      loss: the objective at each iteration (index 0: the initial model), NaN after the last;
+        ``history()`` gives the filled part.
+      iterations: iterations run.
+      converged: whether the gradient reached the tolerance.
+      grad_norm: the largest absolute gradient component at the returned model.
+      l2: the penalty the model was fitted with.
+      solver: ``newton``, ``lbfgs`` or ``gd``.
+    """
+
+    loss: Any
+    iterations: Any
+    converged: Any
+    grad_norm: Any
+    l2: Any
+    solver: str = "newton"
+
+    def history(self) -> np.ndarray:
+        """The objective per iteration, initial model first, as host numpy, trimmed to the
+        iterations run (stacked models: a row each, NaN after a model stopped)."""
+        loss, its = np.asarray(self.loss), np.asarray(self.iterations)
+        return loss[..., : int(its.max()) + 1]
+
+
+jax.tree_util.register_dataclass(
+    FitInfo, data_fields=["loss", "iterations", "converged", "grad_norm", "l2"], meta_fields=["solver"]
+)
+
+
+class Model(NamedTuple):
+    """A fitted logistic regression: pure data, usable inside ``jax.jit``.
+
+    Attributes:
+      w: weights, ``(d,)`` for two classes, ``(d, k)`` for k classes (a leading axis of K
+        models for ``fit_many``).
+      b: intercept, ``()`` or ``(k,)`` (leading K likewise).
+      classes: the k labels in sorted order (host numpy); ``predict`` returns these.
+      info: a FitInfo.
+    """
+
+    w: Any
+    b: Any
+    classes: Any
+    info: Any
+
+
+# -- prediction (pure, jittable) -----------------------------------------------------------
+
+
+def _binary(model: Model) -> bool:
+    return np.shape(model.classes)[-1] == 2
+
+
+def _check_features(model: Model, X: Any, where: str) -> None:
+    if not isinstance(model, Model):
+        raise TypeError(
+            f"{where}: the first argument must be a model from mg.logreg.fit (a Model), got "
+            f"{type(model).__name__}"
+        )
+    d = np.shape(model.w)[-1 if _binary(model) else -2]
+    shape = np.shape(X)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{where}: X must be 2-D (samples, features), got shape {tuple(shape)}; "
+            "for a single sample use X.reshape(1, -1)"
+        )
+    if shape[1] != d:
+        raise ValueError(
+            f"{where}: X has {shape[1]} features (shape {tuple(shape)}), but the model was fitted "
+            f"on {d}; pass data with the same {d} columns, in the same order"
+        )
+
+
+def decision_function(model: Model, X: Any) -> jax.Array:
+    """Scores ``X @ w + b``: ``(n,)`` for two classes, ``(n, k)`` for k (leading K for stacked models)."""
+    _check_features(model, X, "decision_function")
+    X = jnp.asarray(X)
+    w, b = _follow(model.w, X), _follow(model.b, X)
+    X = X.astype(jnp.result_type(w.dtype, jnp.float32))
+    if _binary(model):
+        return jnp.einsum("nd,...d->...n", X, w, precision=HI) + b[..., None]
+    return jnp.einsum("nd,...dk->...nk", X, w, precision=HI) + b[..., None, :]
+
+
+def predict_proba(model: Model, X: Any) -> jax.Array:
+    """Class probabilities, ``(n, k)`` with columns in ``model.classes`` order (k = 2 included).
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array([0, 0, 1, 1])
+    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=1)
+    >>> mg.logreg.predict_proba(m, X).shape
+    (4, 2)
+    """
+    z = decision_function(model, X)
+    if _binary(model):
+        p = jax.nn.sigmoid(z)
+        return jnp.stack([1 - p, p], axis=-1)
+    return jax.nn.softmax(z, axis=-1)
+
+
+def predict_index(model: Model, X: Any) -> jax.Array:
+    """The index into ``model.classes`` of the most likely class for each row."""
+    z = decision_function(model, X)
+    return (z > 0).astype(jnp.int32) if _binary(model) else jnp.argmax(z, axis=-1).astype(jnp.int32)
+
+
+def predict(model: Model, X: Any) -> Any:
+    """The most likely label for each row, from ``model.classes``.
+
+    Numeric labels give a JAX array (and this works inside ``jax.jit``); other labels (strings)
+    give host numpy.
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array(["no", "no", "yes", "yes"])
+    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=1)
+    >>> mg.logreg.predict(m, X).tolist()
+    ['no', 'no', 'yes', 'yes']
+    """
+    index = predict_index(model, X)
+    classes = model.classes
+    if isinstance(classes, np.ndarray) and classes.dtype.kind not in "biuf":
+        return np.take_along_axis(
+            np.broadcast_to(classes, (*np.shape(index)[:-1], classes.shape[-1])), np.asarray(index), axis=-1
+        )
+    return jnp.take_along_axis(
+        jnp.broadcast_to(jnp.asarray(classes), (*index.shape[:-1], np.shape(classes)[-1])), index, axis=-1
+    )
+
+
+def score(model: Model, X: Any, y: Any) -> Any:
+    """Accuracy: the fraction of rows whose predicted label equals ``y`` (one per stacked model)."""
+    pred = predict(model, X)
+    y = np.asarray(y) if isinstance(pred, np.ndarray) else jnp.asarray(y)
+    if np.shape(y) != np.shape(pred)[-1:]:
+        raise ValueError(f"score: y has shape {np.shape(y)}, expected ({np.shape(pred)[-1]},), one per row")
+    return (pred == y).mean(axis=-1)
+
+
+def objective(model: Model, X: Any, y: Any, l2: float) -> float:
+    """The objective ``mean(log-loss) + l2 * ||w||^2`` of a model on data, in float64 on the host
+    (to compare solvers, or with scikit-learn: ``l2 = 1 / (2 * C * n_samples)``)."""
+    X = np.asarray(X, np.float64)
+    w, b = np.asarray(model.w, np.float64), np.asarray(model.b, np.float64)
+    index = np.searchsorted(np.asarray(model.classes), np.asarray(y))
+    z = X @ w + b
+    if _binary(model):
+        loss = np.logaddexp(0.0, z) - index * z
+    else:
+        top = z.max(axis=1, keepdims=True)
+        lse = np.log(np.exp(z - top).sum(axis=1)) + top[:, 0]
+        loss = lse - z[np.arange(len(z)), index]
+    return float(loss.mean() + l2 * np.sum(w**2))
+
+
+def unstack(models: Model) -> list[Model]:
+    """The K models of a ``fit_many`` result as a list of single models."""
+    k = np.shape(models.info.iterations)
+    if not k:
+        return [models]
+    pieces = [jax.tree_util.tree_map(lambda a, i=i: a[i], models._replace(classes=None)) for i in range(k[0])]
+    return [m._replace(classes=models.classes) for m in pieces]
+
+
+def _follow(a: Any, X: Any) -> Any:
+    """Model arrays follow the data: moved (recorded) to X's device when X is committed elsewhere."""
+    if not isinstance(a, jax.Array) or not isinstance(X, jax.Array) or isinstance(X, jax.core.Tracer):
+        return a
+    if isinstance(a, jax.core.Tracer) or a.devices() == X.devices() or not X.committed:
+        return a
+    if len(X.devices()) == 1:
+        (device,) = X.devices()
+        return place([a], _contexts.name_of(device), device, "transfer")[0]
+    return jax.device_put(a, X.sharding.with_spec(P()) if hasattr(X.sharding, "with_spec") else X.sharding)
+
+
+# -- the solver (traced; local data, M models) ---------------------------------------------

@@ -1,0 +1,219 @@
+"""The compiled programs, their layouts over a mesh, and their settings (``Spec``)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from .. import _parallel
+from .._parallel import AXIS
+from ._checks import Options, float_dtype
+from ._results import Fit
+from ._solver import BACKTRACKS, Spec, solve
+
+MAX_ITER = {"newton": 100, "lbfgs": 1000, "gd": 10_000}
+NEWTON_MAX_PARAMS = {"cpu": 64}  # parameters per model up to which "auto" picks Newton
+NEWTON_MAX_PARAMS_ACCEL = 256
+
+
+def _compiler_options(spec: Spec) -> dict[str, str] | None:
+    """XLA's CPU backend splits every sum of more than 32 terms into a windowed partial sum
+    and a second sum of the partials (pairwise-like rounding for long sums), each a step of
+    its own. In a short fit's loop these steps are a good part of the time: 400 x 784 models
+    fit 7% faster without the split. A sum of at most ``_SHORT_SUM`` terms keeps float32
+    accuracy without it (the CPU sums 8 lanes at once): it is skipped where every sum is short."""
+    return {"xla_disable_hlo_passes": "tree_reduction_rewriter"} if spec.short_sums else None
+
+
+_SHORT_SUM = 16384  # terms (rows per device, or parameters per model) of a sum kept unsplit
+
+
+def local_program(spec: Spec) -> Callable:
+    """One device, M models: ``solve`` compiled (a resumed call passes the state last)."""
+    return _parallel._PROGRAMS.get(
+        ("logreg", spec),
+        lambda: jax.jit(functools.partial(solve, spec), compiler_options=_compiler_options(spec)),
+    )
+
+
+def per_device_program(spec: Spec, stacked: bool) -> Callable:
+    """One device, M models each on its own rows (``fit_per_device``'s contexts that share a
+    device): X, or with ``stacked`` a tuple of M equal-shape X, then the models' labels,
+    penalties and starts as (M, L) rows (``per_device_rows``), tol and lr (a resumed call:
+    the state last). Every row weighs one."""
+
+    def program(X, rows, tol, lr, *resume):
+        n, d = X[0].shape if stacked else X.shape
+        y, l2, W0, b0 = _unrows(rows, n, d, spec.c)
+        X, y = (jnp.stack(X), y) if stacked else (X, y[:, 0])
+        return solve(spec._replace(stacked=stacked), X, y, None, W0, b0, l2, tol, lr, *resume)
+
+    return _parallel._PROGRAMS.get(
+        ("logreg", "per device", spec, stacked),
+        lambda: jax.jit(program, compiler_options=_compiler_options(spec)),
+    )
+
+
+def _unrows(rows: jax.Array, n: int, d: int, c: int) -> tuple:
+    """``per_device_rows``' (M, L) rows (traced) -> y (n, M) class indices, l2 (M,) and the
+    start, W0 (d, M, c) and b0 (M, c): None (zeros) unless the rows carry one."""
+    M = rows.shape[0]
+    y, l2 = rows[:, :n].T.astype(jnp.int32), rows[:, n]
+    if rows.shape[1] > n + 1:  # a start other than zeros
+        W0 = rows[:, n + 1 : n + 1 + d * c].reshape(M, d, c).transpose(1, 0, 2)
+        return y, l2, W0, rows[:, n + 1 + d * c :].reshape(M, c)
+    return y, l2, None, None
+
+
+# Partition specs per layout, for (X, y, omega, W0, b0, l2) and the outputs.
+ROWS, MODELS, REPL = P(AXIS), P(None, AXIS), P()
+_LAYOUTS = {
+    # one model, rows split, sums reduced: every output replicated
+    "rows": ((ROWS, ROWS, ROWS, REPL, REPL, REPL), Fit(*(REPL,) * 3)),
+    # one model per device on its own rows and its labels, penalty and start in one array
+    # (``per_device_rows``); out: each model's w and b as one block, and its facts
+    "devices": ((ROWS, ROWS), (ROWS, ROWS)),
+    # every device holds all rows and fits its own slice of the models
+    "models": ((REPL, REPL, REPL, MODELS, ROWS, ROWS), Fit(MODELS, ROWS, ROWS)),
+}
+
+
+def mapped_program(
+    spec: Spec, devices: tuple, layout: str, omega_spec: Any = None, resume: bool = False
+) -> Callable:
+    """One SPMD program over the devices' mesh, for one of the three layouts. A chunked fit's
+    program also returns each device's state as one row, (devices, L); ``resume``: the program
+    that takes those rows last and goes on from them."""
+    key = ("logreg", spec, devices, layout, omega_spec, resume)
+
+    def build():
+        in_specs, out_specs = _LAYOUTS[layout]
+        if omega_spec is not None:
+            in_specs = (*in_specs[:2], omega_spec, *in_specs[3:])
+        scalar = (REPL,) * 2  # tol, lr
+        state = (ROWS,) if resume else ()
+        if spec.chunked:
+            out_specs = (out_specs, ROWS)
+
+        def body(X, y, omega, W0, b0, l2, tol, lr, *resumed):  # omega, W0, b0 None: ones, zeros
+            out = solve(spec, X, y, omega, W0, b0, l2, tol, lr, *(r[0] for r in resumed))
+            fit, packed = out if spec.chunked else (out, None)
+            if layout == "devices":
+                # this device's model as one (d + 1, c) block, and its facts packed into one
+                # row: the host takes both with one fetch each, not one per field
+                fit = jnp.concatenate([fit.W[:, 0], fit.b]), fit.facts
+            return (fit, packed[None]) if spec.chunked else fit
+
+        def per_device(X, rows, tol, lr, *resumed):
+            y, l2, W0, b0 = _unrows(rows[None], *X.shape, spec.c)
+            return body(X, y[:, 0], None, W0, b0, l2, tol, lr, *resumed)
+
+        mesh = _parallel.mesh(devices)
+        program = jax.shard_map(
+            per_device if layout == "devices" else body,
+            mesh=mesh,
+            in_specs=(*in_specs, *scalar, *state),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+        shardings = [jax.sharding.NamedSharding(mesh, s) for s in in_specs]
+        shardings += [_parallel._sharding(devices, AXIS, None) for _ in scalar]
+        shardings += [jax.sharding.NamedSharding(mesh, s) for s in state]
+        return jax.jit(program, in_shardings=tuple(shardings), compiler_options=_compiler_options(spec))
+
+    return _parallel._PROGRAMS.get(key, build)
+
+
+# -- checking inputs -----------------------------------------------------------------------
+
+
+def make_spec(
+    opts: Options,
+    d: int,
+    c: int,
+    platform: str,
+    reduce: bool,
+    rows: int,
+    models: int,
+    held: int,
+) -> Spec:
+    """The compiled fit's settings, for ``rows`` rows of X and ``models`` models per device and
+    ``held`` rows of X over all the fit's devices."""
+    solver = opts.solver
+    if solver == "auto":
+        limit = NEWTON_MAX_PARAMS.get(platform, NEWTON_MAX_PARAMS_ACCEL)
+        solver = "newton" if (d + 1) * c <= limit else "lbfgs"
+    max_iter = opts.max_iter or MAX_ITER[solver]
+    every = iterations_per_call(solver, d, c, platform, rows * models)
+    # XLA's CPU backend reads an X that is streamed from memory faster with the fused forms
+    # (100k x 100: 0.8 + 1.4 ms a pass against 1.0 + 2.0; the same rows on 8 simulated devices:
+    # 22 ms a fit against 25), one that stays in cache with plain products (400 x 784: 31 + 27
+    # us against 49 + 48). Simulated CPU devices share the host's cache, so all of X counts.
+    fused = platform == "cpu" and held * d * np.dtype(float_dtype()).itemsize >= _STREAMED
+    short = platform == "cpu" and max(rows, (d + 1) * c) <= _SHORT_SUM
+    # An accelerator runs a loop inside the program from the host, which reads the loop's
+    # condition back at every pass (a sync of tens of microseconds). Backtracking along the
+    # step is such a loop, entered at every iteration. Where the trials are few values, the
+    # accelerator tries every step length at once instead, with no loop (eight 400 x 784 models
+    # on an H100: 2.0 ms, not 2.3); on a CPU, or for many rows, each trial's work counts (100k
+    # x 100 on a CPU: 150 ms a fit, not 83).
+    batched = platform != "cpu" and rows * models * c * (BACKTRACKS + 1) <= _BATCHED_TRIALS
+    return Spec(solver, c, max_iter, every, reduce, fused, short_sums=short, batched_search=batched)
+
+
+_BATCHED_TRIALS = 1 << 22  # per-row values (rows x models x classes x lengths) for all step lengths at once
+_STREAMED = 16 << 20  # bytes of X from which a CPU streams it from memory (more than its cache)
+
+
+# Work (row x parameter products) a device gets through in about a tenth of a second: about
+# 2.5e9 a second on one core of a CPU (100k x 100 and 400 x 784 fits both measured 2-3.5e9),
+# ten times that on an accelerator.
+_REPORT_WORK = {"cpu": 2.5e8}
+_REPORT_WORK_ACCEL = 2.5e9
+
+
+def iterations_per_call(solver: str, d: int, c: int, platform: str, load: int) -> int:
+    """Iterations per call of a fit's program: about a tenth of a second of work. Between calls
+    the host records each context's step and the bar moves; each call costs a dispatch and a
+    fetch (under a millisecond), so a fit shorter than one call is one call and reports only
+    its last step."""
+    p = (d + 1) * c
+    work = max(load, 1) * p * (p if solver == "newton" else 1)  # Newton: a p x p Hessian
+    return max(1, math.ceil(_REPORT_WORK.get(platform, _REPORT_WORK_ACCEL) / work))
+
+
+def per_device_rows(parts, penalties, starts, dtype) -> np.ndarray:
+    """Every model's class indices, penalty and (unless all are zeros) start as one array, the
+    models' parts in turn (an SPMD program's model i: device i's part), in the fit's float type
+    (class indices are exact in it: below 2**24). One placement of a few kilobytes costs what
+    one of a few bytes does (0.13 ms to 8 CPU devices), and this makes one instead of three."""
+    given = any(w.any() or b.any() for w, b in starts)
+    pieces = []
+    for (_, y_idx, _), l2v, (w, b) in zip(parts, penalties, starts, strict=True):
+        pieces += [y_idx, [l2v], *((w.ravel(), b.ravel()) if given else ())]
+    return np.concatenate(pieces, dtype=dtype, casting="unsafe")
+
+
+def scalar_args(opts: Options, dtype, devices: tuple = ()) -> tuple:
+    """tol and learning rate, the program's scalar arguments. For an SPMD program (``devices``)
+    they are kept on the devices between fits: copying scalars to eight devices costs more than
+    a short fit's host work."""
+    if not devices:
+        return np.asarray(opts.tol, dtype), np.asarray(opts.learning_rate, dtype)
+    name = np.dtype(dtype).name
+    return tuple(_replicated(float(v), name, devices) for v in (opts.tol, opts.learning_rate))
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated(value: float, dtype: str, devices: tuple) -> jax.Array:
+    return jax.device_put(np.asarray(value, dtype), _parallel._sharding(devices, AXIS, None))
+
+
+# -- fit: one model, data-parallel ---------------------------------------------------------
