@@ -177,8 +177,9 @@ class _Waiter:
 
 
 def wait(works: list[Work], run: Run, progress: bool | None) -> None:
-    """Waits until each piece of work is done, so the caller stays responsive (Ctrl-C works)
-    and can draw a bar: once the run has lasted a second when ``progress`` is None, at once when
+    """Waits until each piece of work is done, so the caller stays responsive (Ctrl-C stops
+    the wait at once, within ``_REFRESH``, and leaves the work to end on its own) and can draw
+    a bar: once the run has lasted a second when ``progress`` is None, at once when
     True, never when False. Raises what computing the work raised. The bar stays open until
     ``run.close()``, through the run's later waits, so it can show the last step, which the
     caller records."""
@@ -186,7 +187,12 @@ def wait(works: list[Work], run: Run, progress: bool | None) -> None:
     show_at = None if progress is False else run.start + (0.0 if progress else _DELAY)
     try:
         for work in works:
-            while not work.done.wait(_REFRESH if show_at is not None else None):
+            # Waits in slices, never without a timeout: an interrupt that sends no signal
+            # (``_thread.interrupt_main``, as some front ends do) wakes no waiting lock, and is
+            # only seen when the wait returns.
+            while not work.done.wait(_REFRESH):
+                if show_at is None:
+                    continue
                 if bar is None and time.perf_counter() >= show_at:
                     bar = _bar(run)
                 if bar is not None and bar.n != run.iteration:

@@ -149,13 +149,17 @@ def check_l2(value: Any, where: str, name: str = "l2") -> float:
 
 
 def penalty(l2: Any, C: Any, n: float, where: str) -> float:
+    """The penalty l2 from l2= or C= (``l2 = 1 / (2 * C * n)``, n: rows or the weights' sum;
+    ``C=np.inf``, scikit-learn's way to ask for none: 0); default ``C=1``."""
     if C is not None and l2 is not None:
         raise ValueError(f"{where}: give l2= or C=, not both (l2 = 1 / (2 * C * n_samples))")
     if C is None:
         return 1.0 / (2 * n) if l2 is None else check_l2(l2, where)
-    if isinstance(C, bool) or not isinstance(C, numbers.Real) or not math.isfinite(C) or C <= 0:
-        raise ValueError(f"{where}: C={C!r}; C must be a positive finite number, as in scikit-learn")
-    return 1.0 / (2 * C * n)
+    if isinstance(C, bool) or not isinstance(C, numbers.Real) or math.isnan(C) or C <= 0:
+        raise ValueError(
+            f"{where}: C={C!r}; C must be a positive number, as in scikit-learn (C=np.inf: no penalty)"
+        )
+    return 0.0 if math.isinf(C) else 1.0 / (2 * C * n)
 
 
 class Options(NamedTuple):
@@ -203,15 +207,41 @@ def initial(init: Any, d: int, c: int, where: str) -> tuple[np.ndarray, np.ndarr
     return w.reshape(d, c), b.reshape(c)
 
 
-def weights(w: Any, n: int, where: str) -> np.ndarray:
-    w = np.asarray(w, dtype=np.float64)
+def weights(w: Any, n: int, where: str) -> tuple[np.ndarray, float]:
+    """Row weights -> (the weights scaled to a mean of one, in the fit's float type; their sum
+    as given, in float64). The objective is their weighted mean, so only their ratios matter:
+    scaled on the host, weights whose sum overflows float32 (4 x 1e38) fit as any others,
+    where summed on the devices they gave a zero model. C counts the sum as given."""
+    expected = f"expected {n} real numbers >= 0, one weight per row"
+    if isinstance(w, jax.Array):
+        w = place([w], HOST, None, "transfer")[0]
+    if isinstance(w, Mapping | set | str | bytes):
+        raise TypeError(f"{where}: sample_weight is a {type(w).__name__}; {expected}")
+    try:
+        w = np.asarray(w)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{where}: sample_weight cannot be read as an array ({e}); {expected}") from None
+    if w.dtype.kind not in "biuf":
+        values = w.ravel().tolist()
+        odd = next((v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Real)), None)
+        example = f" (e.g. {odd!r})" if values else ""
+        raise TypeError(f"{where}: sample_weight has dtype {w.dtype}{example}; {expected}")
     if w.shape != (n,):
         raise ValueError(f"{where}: sample_weight has shape {w.shape}; expected ({n},), one weight per row")
-    if not np.isfinite(w).all() or (w < 0).any():
-        raise ValueError(f"{where}: sample_weight must be finite and >= 0")
-    if w.sum() <= 0:
+    w = w.astype(np.float64)
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"{where}: sample_weight[{i}] is {w[i]}; every weight must be finite and >= 0 (0 leaves "
+            "a row out)"
+        )
+    top = w.max()
+    if top <= 0:
         raise ValueError(f"{where}: sample_weight sums to 0; at least one row needs a positive weight")
-    return w.astype(float_dtype())
+    w = w / top  # at most one: the sum cannot overflow
+    total = w.sum()
+    return (w * (n / total)).astype(float_dtype()), float(top) * float(total)
 
 
 def private(value: Any, targets: Targets, where: str, what: str) -> list:

@@ -78,11 +78,29 @@ def _binary(model: Model) -> bool:
     return np.shape(model.classes)[-1] == 2
 
 
-def _check_features(model: Model, X: Any, where: str) -> None:
+def _check_model(model: Any, where: str) -> None:
     if not isinstance(model, Model):
         raise TypeError(
             f"{where}: the first argument must be a model from mg.logreg.fit (a Model), got "
             f"{type(model).__name__}"
+        )
+
+
+def _rows(model: Model, X: Any, where: str) -> Any:
+    """X checked for prediction: 2-D real numbers with the model's feature count (a jax.Array,
+    traced or not, as is; anything else as numpy)."""
+    _check_model(model, where)
+    if not isinstance(X, jax.Array):
+        try:
+            X = np.asarray(X)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"{where}: X cannot be read as an array ({e}); pass a 2-D array of real numbers"
+            ) from None
+    if np.dtype(X.dtype).kind not in "biuf":
+        raise TypeError(
+            f"{where}: X has dtype {X.dtype}; features must be real numbers, as in the data the model "
+            "was fitted on; convert with X.astype(np.float32) (encode text or categories as numbers first)"
         )
     d = np.shape(model.w)[-1 if _binary(model) else -2]
     shape = np.shape(X)
@@ -96,21 +114,64 @@ def _check_features(model: Model, X: Any, where: str) -> None:
             f"{where}: X has {shape[1]} features (shape {tuple(shape)}), but the model was fitted "
             f"on {d}; pass data with the same {d} columns, in the same order"
         )
+    return X
 
 
-def decision_function(model: Model, X: Any) -> jax.Array:
-    """Scores ``X @ w + b``: ``(n,)`` for two classes, ``(n, k)`` for k (leading K for stacked models)."""
-    _check_features(model, X, "decision_function")
-    X = jnp.asarray(X)
+_total = jax.jit(jnp.sum)
+
+
+def _check_scores(z: Any, X: Any, where: str) -> None:
+    """Raises when X holds NaN or inf (scikit-learn's "Input X contains NaN"): its scores are
+    then not finite, and one sum of the scores (n x k values, not n x d) clears finite data.
+    Huge finite features can overflow a score too; their predictions stand. Traced values
+    (under ``jax.jit``) cannot be read: they are not checked."""
+    if isinstance(z, jax.core.Tracer) or isinstance(X, jax.core.Tracer):
+        return
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.asarray(_total(z))):
+            return
+        host = np.asarray(jax.device_get(X))
+        bad = ~np.isfinite(host)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{where}: X has {int(bad.sum())} NaN or infinite value(s), the first at row {row}, column "
+            f"{col} (value {float(host[row, col])}); a prediction needs finite features: drop or impute "
+            "those rows first"
+        )
+
+
+def _scores(model: Model, X: Any, where: str) -> jax.Array:
+    X = jnp.asarray(_rows(model, X, where))
     w, b = _follow(model.w, X), _follow(model.b, X)
     X = X.astype(jnp.result_type(w.dtype, jnp.float32))
     if _binary(model):
-        return jnp.einsum("nd,...d->...n", X, w, precision=HI) + b[..., None]
-    return jnp.einsum("nd,...dk->...nk", X, w, precision=HI) + b[..., None, :]
+        z = jnp.einsum("nd,...d->...n", X, w, precision=HI) + b[..., None]
+    else:
+        z = jnp.einsum("nd,...dk->...nk", X, w, precision=HI) + b[..., None, :]
+    _check_scores(z, X, where)
+    return z
+
+
+def decision_function(model: Model, X: Any) -> jax.Array:
+    """Scores ``X @ w + b``: ``(n,)`` for two classes, ``(n, k)`` for k (leading K for stacked models).
+
+    NaN or inf in X raises, naming the first; under ``jax.jit`` (traced values cannot be read)
+    it is not checked, and such rows get NaN scores."""
+    return _scores(model, X, "decision_function")
+
+
+def _proba(model: Model, X: Any, where: str) -> jax.Array:
+    z = _scores(model, X, where)
+    if _binary(model):
+        p = jax.nn.sigmoid(z)
+        return jnp.stack([1 - p, p], axis=-1)
+    return jax.nn.softmax(z, axis=-1)
 
 
 def predict_proba(model: Model, X: Any) -> jax.Array:
     """Class probabilities, ``(n, k)`` with columns in ``model.classes`` order (k = 2 included).
+    NaN or inf in X raises (not under ``jax.jit``: see ``decision_function``).
 
     >>> import mgkit as mg, numpy as np
     >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array([0, 0, 1, 1])
@@ -118,32 +179,22 @@ def predict_proba(model: Model, X: Any) -> jax.Array:
     >>> mg.logreg.predict_proba(m, X).shape
     (4, 2)
     """
-    z = decision_function(model, X)
-    if _binary(model):
-        p = jax.nn.sigmoid(z)
-        return jnp.stack([1 - p, p], axis=-1)
-    return jax.nn.softmax(z, axis=-1)
+    return _proba(model, X, "predict_proba")
 
 
-def predict_index(model: Model, X: Any) -> jax.Array:
-    """The index into ``model.classes`` of the most likely class for each row."""
-    z = decision_function(model, X)
+def _index(model: Model, X: Any, where: str) -> jax.Array:
+    z = _scores(model, X, where)
     return (z > 0).astype(jnp.int32) if _binary(model) else jnp.argmax(z, axis=-1).astype(jnp.int32)
 
 
-def predict(model: Model, X: Any) -> Any:
-    """The most likely label for each row, from ``model.classes``.
+def predict_index(model: Model, X: Any) -> jax.Array:
+    """The index into ``model.classes`` of the most likely class for each row. NaN or inf in X
+    raises (not under ``jax.jit``: see ``decision_function``)."""
+    return _index(model, X, "predict_index")
 
-    Numeric labels give a JAX array (and this works inside ``jax.jit``); other labels (strings)
-    give host numpy.
 
-    >>> import mgkit as mg, numpy as np
-    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array(["no", "no", "yes", "yes"])
-    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=1)
-    >>> mg.logreg.predict(m, X).tolist()
-    ['no', 'no', 'yes', 'yes']
-    """
-    index = predict_index(model, X)
+def _predict(model: Model, X: Any, where: str) -> Any:
+    index = _index(model, X, where)
     classes = model.classes
     if isinstance(classes, np.ndarray) and classes.dtype.kind not in "biuf":
         return np.take_along_axis(
@@ -154,9 +205,36 @@ def predict(model: Model, X: Any) -> Any:
     )
 
 
+def predict(model: Model, X: Any) -> Any:
+    """The most likely label for each row, from ``model.classes``.
+
+    Numeric labels give a JAX array (and this works inside ``jax.jit``); other labels (strings)
+    give host numpy. NaN or inf in X raises, as in scikit-learn; under ``jax.jit`` (traced
+    values cannot be read) it is not checked.
+
+    >>> import mgkit as mg, numpy as np
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]]); y = np.array(["no", "no", "yes", "yes"])
+    >>> m = mg.logreg.fit(X, y, l2=0.01, contexts=1)
+    >>> mg.logreg.predict(m, X).tolist()
+    ['no', 'no', 'yes', 'yes']
+    """
+    return _predict(model, X, "predict")
+
+
 def score(model: Model, X: Any, y: Any) -> Any:
     """Accuracy: the fraction of rows whose predicted label equals ``y`` (one per stacked model)."""
-    pred = predict(model, X)
+    pred = _predict(model, X, "score")
+    if not isinstance(y, jax.Array):
+        try:
+            y = np.asarray(y)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"score: y cannot be read as an array ({e}); pass one label per row") from None
+        if not isinstance(pred, np.ndarray) and y.dtype.kind not in "biuf":
+            example = f" (e.g. {y.ravel().tolist()[0]!r})" if y.size else ""
+            raise TypeError(
+                f"score: y has labels of dtype {y.dtype}{example}, but the model's classes are "
+                f"{np.asarray(model.classes).tolist()}; pass labels of the kind it was fitted on"
+            )
     y = np.asarray(y) if isinstance(pred, np.ndarray) else jnp.asarray(y)
     if np.shape(y) != np.shape(pred)[-1:]:
         raise ValueError(f"score: y has shape {np.shape(y)}, expected ({np.shape(pred)[-1]},), one per row")
@@ -166,9 +244,27 @@ def score(model: Model, X: Any, y: Any) -> Any:
 def objective(model: Model, X: Any, y: Any, l2: float) -> float:
     """The objective ``mean(log-loss) + l2 * ||w||^2`` of a model on data, in float64 on the host
     (to compare solvers, or with scikit-learn: ``l2 = 1 / (2 * C * n_samples)``)."""
-    X = np.asarray(X, np.float64)
+    from ._checks import check_l2  # _checks reads Model from here
+
+    where = "objective"
+    X = np.asarray(jax.device_get(_rows(model, X, where)), np.float64)
+    l2 = check_l2(l2, where)
+    y = np.asarray(jax.device_get(y))
+    if y.ndim != 1 or len(y) != len(X):
+        got = f"{len(y)} labels" if y.ndim == 1 else f"labels of shape {y.shape}"
+        raise ValueError(f"{where}: X has {len(X)} rows but y has {got}; pass one label per row of X")
+    classes = np.asarray(model.classes)
+    if (classes.dtype.kind in "biuf") == (y.dtype.kind in "biuf"):
+        index = np.minimum(np.searchsorted(classes, y), len(classes) - 1)
+        unknown = np.unique(y[classes[index] != y])
+    else:
+        index, unknown = None, np.unique(y)
+    if len(unknown):
+        raise ValueError(
+            f"{where}: y has labels the model was not fitted on: {unknown[:5].tolist()}"
+            f"{' ...' if len(unknown) > 5 else ''}; its classes are {classes.tolist()}"
+        )
     w, b = np.asarray(model.w, np.float64), np.asarray(model.b, np.float64)
-    index = np.searchsorted(np.asarray(model.classes), np.asarray(y))
     z = X @ w + b
     if _binary(model):
         loss = np.logaddexp(0.0, z) - index * z
@@ -181,6 +277,10 @@ def objective(model: Model, X: Any, y: Any, l2: float) -> float:
 
 def unstack(models: Model) -> list[Model]:
     """The K models of a ``fit_many`` result as a list of single models."""
+    if not isinstance(models, Model):
+        raise TypeError(
+            f"unstack: models must be a Model from mg.logreg.fit_many, got {type(models).__name__}"
+        )
     k = np.shape(models.info.iterations)
     if not k:
         return [models]
