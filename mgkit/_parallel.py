@@ -20,6 +20,7 @@ import functools
 import inspect
 import math
 import numbers
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -27,7 +28,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import _contexts, _devices
 from ._errors import ContextError
@@ -37,6 +37,7 @@ from ._spmd import (
     Batch,
     Cache,
     Targets,
+    concrete,
     explained,
     fn_name,
     is_abstract,
@@ -51,7 +52,7 @@ from ._spmd import (
     spec,
     trim,
 )
-from ._transfer import concrete, leaves_of, place, target
+from ._transfer import leaves_of, place, target
 
 _REDUCE_HINT = (
     "For a reduction over the whole batch, reduce after the call (e.g. out.mean()) or use "
@@ -394,21 +395,25 @@ def _out_specs(out_axes: Any, axis_name: str) -> Any:
     return jax.tree_util.tree_map(lambda ax: spec(ax, axis_name), out_axes, is_leaf=lambda x: x is None)
 
 
-def _spmd_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, where: str) -> Callable:
-    key = ("spmd", fn, batch.treedef, batch.axes, _hashable(out_axes), targets.devices, where)
+def _spmd_program(
+    fn: Callable, batch: Batch, out_axes: Any, targets: Targets, where: str, traced: bool = False
+) -> Callable:
+    """jit(shard_map) of ``fn`` over the contexts' mesh; ``traced``: for a call inside another
+    transformation (``vmap`` adds axes that fixed input shardings would not have)."""
+    key = ("spmd", fn, batch.treedef, batch.axes, _hashable(out_axes), targets.devices, where, traced)
 
     def build():
-        in_specs = tuple(spec(ax) for ax in batch.axes)
-        in_shardings = tuple(sharding(targets.devices, AXIS, ax) for ax in batch.axes)
         body = _checked(fn, batch.treedef, batch.axes, out_axes, len(targets.devices), where)
         mapped = jax.shard_map(
             body,
             mesh=mesh(targets.devices),
-            in_specs=in_specs,
+            in_specs=tuple(spec(ax) for ax in batch.axes),
             out_specs=_out_specs(out_axes, AXIS),
             check_vma=False,
         )
-        return jax.jit(mapped, in_shardings=in_shardings)
+        if traced:
+            return jax.jit(mapped)
+        return jax.jit(mapped, in_shardings=tuple(sharding(targets.devices, AXIS, ax) for ax in batch.axes))
 
     return programs.get(key, build)
 
@@ -431,11 +436,12 @@ def _hashable(axes: Any) -> Any:
 def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     """One SPMD program over the contexts' mesh; parts padded to equal size and trimmed."""
     placed = place_spmd(batch, targets, sizes)
-    program = _spmd_program(fn, batch, out_axes, targets, where)
+    traced = is_abstract(batch.leaves)
+    program = _spmd_program(fn, batch, out_axes, targets, where, traced)
     start, t0 = time.time(), time.perf_counter()
     out = explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    if not is_abstract(batch.leaves):
+    if not traced:
         events = run_events(targets, sizes, fn, "spmd", start, batch.n)
         ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
     padded = len(set(sizes)) > 1
@@ -728,10 +734,16 @@ def pmap(
     """``jax.pmap``'s semantics on ``jax.shard_map``: one slice of the mapped axis per context.
 
     ``fn`` sees one slice (the mapped axis removed) and may use collectives over ``axis_name``
-    (``jax.lax.psum``, ``pmean``, ``all_gather``...). Outputs are stacked along ``out_axes``,
-    one slice per context, sharded over the contexts; ``out_axes=None`` returns a value that is
-    the same on every context (e.g. after ``psum``). The contexts must be distinct devices of
-    one kind, as for pmap.
+    (``jax.lax.psum``, ``pmean``, ``all_gather``, ``ppermute``, ``axis_index``...), with
+    ``jax.pmap``'s results: as in ``jax.pmap``, values are not tracked as varying or invariant
+    over the axis (a ``lax.scan`` carry may start as ``0`` and add ``axis_index``), and ``psum``
+    of a value shared with ``in_axes=None`` sums one copy per context. Outputs are stacked along
+    ``out_axes``, one slice per context, sharded over the contexts; ``out_axes=None`` returns a
+    value that is the same on every context (e.g. after ``psum``). The contexts must be distinct
+    devices of one kind, as for pmap.
+
+    The mapped function works inside ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (``vmap`` maps
+    over another axis of the arguments; each call still takes one slice per context).
 
     >>> import mgkit as mg, numpy as np, jax
     >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
@@ -768,13 +780,20 @@ def pmap(
                 f"exactly one slice per context (use mg.parallel to split a batch of any size)"
             )
         placed = place_spmd(batch, targets, (1,) * k, axis_name)
+        traced = is_abstract(batch.leaves)
         program = programs.get(
-            ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices),
-            lambda: _pmap_program(fn, batch, out_axes, targets, axis_name),
+            ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices, traced),
+            lambda: _pmap_program(fn, batch, out_axes, targets, axis_name, traced),
         )
         start, t0 = time.time(), time.perf_counter()
-        out = explained(program, *placed)
-        if not is_abstract(batch.leaves):
+        try:
+            out = explained(program, *placed)
+        except (AssertionError, NameError) as e:
+            better = _unbound_axis(fn, batch, axis_name)
+            if better is None:
+                raise
+            raise better from e
+        if not traced:
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
             events = run_events(targets, (1,) * k, fn, "pmap", start, k)
@@ -784,7 +803,42 @@ def pmap(
     return mapped
 
 
-def _pmap_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, axis_name: str) -> Callable:
+_UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
+
+
+def _unbound_axis(fn: Callable, batch: Batch, axis_name: str) -> ValueError | None:
+    """The error for a function whose collectives name an axis other than ``axis_name`` (JAX's
+    own is an empty AssertionError from inside shard_map), else None. ``jax.vmap`` binds only
+    ``axis_name`` and names the first other axis the function uses."""
+
+    def flat(*leaves):
+        args, kwargs = jax.tree_util.tree_unflatten(batch.treedef, leaves)
+        return fn(*args, **kwargs)
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in batch.leaves]
+    try:
+        jax.eval_shape(jax.vmap(flat, in_axes=batch.axes, axis_name=axis_name), *shapes)
+    except NameError as e:
+        found = _UNBOUND.search(str(e))
+        if found is None:
+            return None
+        used = found.group(1)
+        return ValueError(
+            f"pmap: axis_name={axis_name!r} was given, but {fn_name(fn)} uses a collective over the axis "
+            f"{used!r}, which is not bound; pass axis_name={used!r} to mg.pmap, or name {axis_name!r} in "
+            f"{fn_name(fn)}'s collectives (e.g. jax.lax.psum(x, {axis_name!r}))"
+        )
+    except Exception:  # noqa: BLE001 - the diagnosis failed another way: keep JAX's error
+        return None
+    return None
+
+
+def _pmap_program(
+    fn: Callable, batch: Batch, out_axes: Any, targets: Targets, axis_name: str, traced: bool
+) -> Callable:
+    """jit(shard_map) of ``fn`` over one slice per device; ``traced``: for a call inside another
+    transformation (``vmap`` adds axes that fixed input shardings would not have)."""
+
     def body(*leaves):
         leaves = [x if ax is None else jnp.squeeze(x, ax) for x, ax in zip(leaves, batch.axes, strict=True)]
         args, kwargs = jax.tree_util.tree_unflatten(batch.treedef, leaves)
@@ -799,16 +853,16 @@ def _pmap_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, a
         stacked = [x if ax is None else jnp.expand_dims(x, ax) for x, ax in zip(flat, axes, strict=True)]
         return jax.tree_util.tree_unflatten(tree, stacked)
 
-    in_specs = tuple(P() if ax is None else P(*([None] * ax), axis_name) for ax in batch.axes)
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh(targets.devices, axis_name),
-            in_specs=in_specs,
-            out_specs=_out_specs(out_axes, axis_name),
-        ),
-        in_shardings=tuple(sharding(targets.devices, axis_name, ax) for ax in batch.axes),
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh(targets.devices, axis_name),
+        in_specs=tuple(spec(ax, axis_name) for ax in batch.axes),
+        out_specs=_out_specs(out_axes, axis_name),
+        check_vma=False,  # jax.pmap's semantics: no varying/invariant types (issue 19)
     )
+    if traced:
+        return jax.jit(mapped)
+    return jax.jit(mapped, in_shardings=tuple(sharding(targets.devices, axis_name, ax) for ax in batch.axes))
 
 
 def run_each(tasks: Mapping[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from . import _contexts, _devices
 from ._contexts import ContextMap
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
-from ._transfer import concrete, explain_incompatible, private_copies, source
+from ._transfer import explain_incompatible, private_copies, source
 
 AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
 
@@ -288,9 +288,19 @@ class Batch(NamedTuple):
     names: Callable[[int], str]  # leaf index -> readable name, for messages
 
 
+def concrete(leaf: Any) -> Any:
+    """The array behind a leaf: itself, its value under an eager ``jax.grad``, or None for a
+    tracer that stands for no one array of its shape (inside ``jax.jit``; inside ``jax.vmap``,
+    whose tracer holds the whole batch)."""
+    if not isinstance(leaf, jax.core.Tracer):
+        return leaf
+    value = leaf.to_concrete_value()
+    return value if value is not None and np.shape(value) == leaf.shape else None
+
+
 def is_abstract(leaves: Sequence) -> bool:
-    """Whether any leaf is a tracer without a value (inside ``jax.jit`` or ``jax.vmap``)."""
-    return any(isinstance(x, jax.core.Tracer) and x.to_concrete_value() is None for x in leaves)
+    """Whether any leaf is a tracer without a value of its own (inside ``jax.jit`` or ``jax.vmap``)."""
+    return any(isinstance(x, jax.core.Tracer) and concrete(x) is None for x in leaves)
 
 
 _HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
@@ -340,6 +350,8 @@ def place_spmd(
         value = concrete(leaf)
         if padded and ax is not None:
             out[i] = pad(leaf, sizes, ax)
+        if value is None:  # traced: the program lays it out (vmap's tracers have more axes)
+            continue
         if isinstance(value, _HOST_TYPES):
             if i not in own:
                 if staged:  # traced: left to the program, as constants
