@@ -23,13 +23,13 @@ import numbers
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _contexts, _devices
+from . import _contexts, _devices, _spmd
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
 from ._spmd import (
@@ -37,19 +37,22 @@ from ._spmd import (
     Batch,
     Cache,
     Targets,
-    concrete,
     explained,
     fn_name,
     is_abstract,
+    kept,
     mesh,
     per_context,
     place_spmd,
     programs,
+    record,
+    record_run,
     resolve,
-    run_events,
+    run_layout,
     sharding,
     shares,
     spec,
+    spmd_layout,
     trim,
 )
 from ._transfer import leaves_of, place, target
@@ -442,8 +445,7 @@ def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     out = explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if not traced:
-        events = run_events(targets, sizes, fn, "spmd", start, batch.n)
-        ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
+        record_run(targets, sizes, fn, "spmd", start, batch.n, out_leaves, t0)
     padded = len(set(sizes)) > 1
     if not padded and to is None:
         return out
@@ -488,8 +490,7 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
             e.add_note(f"mgkit: raised while running {fn_name(fn)} on {where_run}")
             raise
         one = targets._replace(names=(name,), devices=(device,))
-        events = run_events(one, (size,), fn, "dispatch", begin, batch.n)
-        ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+        record_run(one, (size,), fn, "dispatch", begin, batch.n, out, t0)
         outs.append(out)
         names.append(name)
     if len(outs) == 1 and to is None:
@@ -505,6 +506,67 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
         for j, (m0, ax) in enumerate(zip(moved[0], axes, strict=True))
     ]
     return jax.tree_util.tree_unflatten(first[1], result)
+
+
+class _Plan(NamedTuple):
+    """What a call of ``parallel`` does again for inputs laid out like a call before: host arrays
+    split evenly over distinct devices of one kind (copied, placed, recorded) and one program.
+    Everything ``describe``, ``place_spmd`` and the program cache work out is kept, so the next
+    such call only copies, places, runs and records (``run``)."""
+
+    targets: Targets
+    copies: tuple[int, ...]  # host leaves copied before they are placed (``private``)
+    moving: tuple[int, ...]  # leaves placed, with their shardings
+    shardings: list
+    split: tuple  # the placement's events (``record``)
+    runs: tuple  # the program's run events
+    program: Callable
+
+    def run(self, leaves: list) -> Any:
+        t0, start = time.perf_counter(), time.time()
+        leaves = list(leaves)
+        if self.copies:
+            for i, c in zip(self.copies, _spmd.private([leaves[i] for i in self.copies]), strict=True):
+                leaves[i] = c
+        placed = jax.device_put([leaves[i] for i in self.moving], self.shardings)
+        for i, p in zip(self.moving, placed, strict=True):
+            leaves[i] = p
+        record(self.split, start, placed, t0)
+        start, t0 = time.time(), time.perf_counter()
+        out = explained(self.program, *leaves)
+        record(self.runs, start, jax.tree_util.tree_leaves(out), t0)
+        return out
+
+
+_PLANS = Cache(256)  # (fn, axes, caller, structure, targets, leaf layout) -> _Plan
+
+
+def _none() -> None:
+    return None
+
+
+def _leaf_layout(leaves: list) -> tuple | None:
+    """(shape, dtype) per leaf when every leaf is a host numpy array, else None (no plan)."""
+    out = []
+    for x in leaves:
+        if type(x) is not np.ndarray:
+            return None
+        out.append((x.shape, x.dtype))
+    return tuple(out)
+
+
+def _plan(fn, batch, targets, sizes, out_axes, where) -> _Plan | None:
+    """The plan for calls like this one (host arrays, an even SPMD split), else None."""
+    if not (batch.n and targets.spmd and len(set(sizes)) == 1):
+        return None
+    cpu = targets.devices[0].platform == "cpu"
+    moving = tuple(range(len(batch.leaves)))
+    copies = tuple(i for i in moving if cpu and kept(batch.leaves[i].dtype))
+    shardings = [sharding(targets.devices, AXIS, ax) for ax in batch.axes]
+    split = spmd_layout([(x, ax) for x, ax in zip(batch.leaves, batch.axes, strict=True)], targets, sizes)
+    runs = run_layout(targets, sizes, fn, "spmd", batch.n)
+    program = _spmd_program(fn, batch, out_axes, targets, where)
+    return _Plan(targets, copies, moving, shardings, split, runs, program)
 
 
 def run(fn, batch, targets, sizes, out_axes, to, where) -> Any:
@@ -570,6 +632,7 @@ class Parallel:
         self.weights, self.balance, self.to = weights, balance, to
         self._speeds: dict = {}
         self._layouts: dict = {}  # tree structure of (args, kwargs) -> one axis per leaf
+        self._key = (_hashable(in_axes), _hashable(out_axes))  # with fn, what its plans depend on
         functools.update_wrapper(self, fn)
 
     def _batch(self, args: tuple, kwargs: dict, where: str) -> tuple[Batch, Targets]:
@@ -602,6 +665,15 @@ class Parallel:
         return self._call(args, kwargs, "parallel")
 
     def _call(self, args: tuple, kwargs: dict, where: str) -> Any:
+        key = None
+        if self.weights is None and self.balance is None and self.to is None:
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            layout = _leaf_layout(leaves)
+            if layout is not None:  # a call laid out like one before runs its plan (see _Plan)
+                key = (self.fn, self._key, where, treedef, resolve(self.contexts, where), layout)
+                plan = _PLANS.get(key, _none)
+                if plan is not None:
+                    return plan.run(leaves)
         batch, targets = self._batch(args, kwargs, where)
         if self.balance == "measured":
             speeds = self._measure(batch, targets)
@@ -609,7 +681,12 @@ class Parallel:
         else:
             weights = check_weights(self.weights, targets, where)
         sizes = shares(batch.n, len(targets.names), weights)
-        return run(self.fn, batch, targets, sizes, self.out_axes, self.to, where)
+        out = run(self.fn, batch, targets, sizes, self.out_axes, self.to, where)
+        if key is not None and not is_abstract(batch.leaves):
+            plan = _plan(self.fn, batch, targets, sizes, self.out_axes, where)
+            if plan is not None:
+                _PLANS.get(key, lambda: plan)
+        return out
 
     def speeds(self, *args, **kwargs) -> dict[str, float]:
         """Rows per second of ``fn`` on each context, measured once per input shape (cached).
@@ -796,8 +873,7 @@ def pmap(
         if not traced:
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
-            events = run_events(targets, (1,) * k, fn, "pmap", start, k)
-            ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+            record_run(targets, (1,) * k, fn, "pmap", start, k, out, t0)
         return out
 
     return mapped

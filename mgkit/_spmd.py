@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from . import _contexts, _devices
 from ._contexts import ContextMap
 from ._errors import ContextError
-from ._ledger import Event, execution_label, ledger
+from ._ledger import Event, execution_label, ledger, link_shares
 from ._transfer import explain_incompatible, private_copies, source
 
 AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
@@ -308,7 +308,7 @@ _SMALL = 1 << 16  # bytes below which a plain copy beats an aligned one (XLA cop
 
 
 @functools.lru_cache(maxsize=64)
-def _kept(dtype: np.dtype) -> bool:
+def kept(dtype: np.dtype) -> bool:
     """Whether JAX keeps a host array of this dtype as it is (no conversion copies it anyway)."""
     return dtype == jax.dtypes.canonicalize_dtype(dtype)
 
@@ -356,7 +356,7 @@ def place_spmd(
             if i not in own:
                 if staged:  # traced: left to the program, as constants
                     continue
-                if cpu and isinstance(out[i], np.ndarray) and _kept(out[i].dtype):
+                if cpu and isinstance(out[i], np.ndarray) and kept(out[i].dtype):
                     # device_put keeps an aligned host array's buffer: never the user's own
                     copies.append(i)
         elif not padded and isinstance(value, jax.Array):
@@ -381,25 +381,44 @@ def place_spmd(
     for i, p in zip(moving, placed, strict=True):
         out[i] = p
     if not staged:
-        events = spmd_events(moves, targets, sizes, start)
-        ledger().record_when_ready(events, [concrete(p) for p in placed], t0)
+        record(spmd_layout(moves, targets, sizes), start, [concrete(p) for p in placed], t0)
     return out
 
 
-def spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:
-    """One event per (kind, source, context) for a placement of ``moves`` ((value, axis) pairs):
-    the bytes that land on each context."""
+def record(layout: tuple, start: float, arrays: list, t0: float) -> None:
+    """Records a cached layout's events ((head, share, info) each: see ``_spmd_layout``) issued
+    at ``start`` once ``arrays`` are ready, timed from ``t0``: at once when they are, each event
+    made once with its share of the seconds (``link_shares``), else by the ledger's watcher."""
+    label = execution_label()
+    for a in arrays:
+        if not a.is_ready():
+            break
+    else:
+        seconds = time.perf_counter() - t0
+        ledger().record(
+            [_event((*head, start, seconds * share, label, info)) for head, share, info in layout]
+        )
+        return
+    events = [_event((*head, start, 0.0, label, info)) for head, _, info in layout]
+    ledger().record_when_ready(events, arrays, t0)
+
+
+def spmd_layout(moves: list, targets: Targets, sizes: tuple[int, ...]) -> tuple:
+    """The events of a placement of ``moves`` ((value, axis) pairs), one per (kind, source,
+    context): the bytes that land on each context (see ``record``)."""
     layout = tuple(
-        (*_HOST_SOURCE, np.shape(value), _dtype(value), ax)
+        (*_HOST_SOURCE, value.shape, value.dtype, ax)
+        if type(value) is np.ndarray
+        else (*_HOST_SOURCE, np.shape(value), _dtype(value), ax)
         if isinstance(value, _HOST_TYPES)
         else (*source(value), value.shape, value.dtype, ax)
         for value, ax in moves
     )
-    label = execution_label()
-    return [Event(*head, start, 0.0, label, info) for *head, info in _spmd_layout(targets, sizes, layout)]
+    return _spmd_layout(targets, sizes, layout)
 
 
 _HOST_SOURCE = (_contexts.HOST, _contexts.HOST, None)
+_event = functools.partial(tuple.__new__, Event)  # fields in order -> Event, without argument parsing
 
 
 def _dtype(leaf: Any) -> np.dtype:
@@ -407,9 +426,14 @@ def _dtype(leaf: Any) -> np.dtype:
     return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
 
 
+def _with_shares(rows: list[tuple]) -> tuple:
+    """(head, info) rows -> (head, share, info) rows, the heads being an event's first six fields."""
+    shares = link_shares([(head[1], head[2], head[5]) for head, _ in rows])
+    return tuple((head, share, info) for (head, info), share in zip(rows, shares, strict=True))
+
+
 @cached(1024)
-def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> list[tuple]:
-    """(kind, src, dst, src_device, dst_device, nbytes, info) per (kind, source, context)."""
+def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> tuple:
     totals: dict[tuple, list] = {}
     for src_name, src_dev, src_devices, shape, dtype, ax in layout:
         itemsize = np.dtype(jax.dtypes.canonicalize_dtype(dtype)).itemsize
@@ -425,10 +449,12 @@ def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> lis
             entry[0] += per_row if ax is None else per_row * size
             entry[1] += 1
     of = sum(sizes)
-    return [
-        (*key, nbytes, {"arrays": count, "rows": rows, "of": of})
-        for key, (nbytes, count, rows) in totals.items()
-    ]
+    return _with_shares(
+        [
+            ((*key, nbytes), {"arrays": count, "rows": rows, "of": of})
+            for key, (nbytes, count, rows) in totals.items()
+        ]
+    )
 
 
 def fn_name(fn: Callable) -> str:
@@ -436,26 +462,38 @@ def fn_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def run_events(
-    targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, start: float, of: int
-) -> list:
-    """One ``run`` event per context with rows: its share of a call over ``of`` rows."""
-    label = execution_label()
-    return [
-        Event(*head, start, 0.0, label, info)
-        for *head, info in _run_layout(targets, sizes, fn_name(fn), path, of)
-    ]
+def record_run(
+    targets: Targets,
+    sizes: tuple[int, ...],
+    fn: Callable,
+    path: str,
+    start: float,
+    of: int,
+    outputs: Any,
+    t0: float,
+) -> None:
+    """Records one ``run`` event per context with rows (its share of a call over ``of`` rows),
+    once the outputs (a pytree) are ready."""
+    layout = run_layout(targets, sizes, fn, path, of)
+    record(layout, start, [concrete(x) for x in jax.tree_util.tree_leaves(outputs)], t0)
+
+
+def run_layout(targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, of: int) -> tuple:
+    """The ``run`` events of a call (see ``record``): one per context with rows."""
+    return _run_layout(targets, sizes, fn_name(fn), path, of)
 
 
 @cached(1024)
-def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> list[tuple]:
-    return [
-        ("run", name, name, dev, dev, 0, {"fn": fn, "of": of, "path": path, "rows": size})
-        for name, dev, size in zip(
-            targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
-        )
-        if size
-    ]
+def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> tuple:
+    return _with_shares(
+        [
+            (("run", name, name, dev, dev, 0), {"fn": fn, "of": of, "path": path, "rows": size})
+            for name, dev, size in zip(
+                targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
+            )
+            if size
+        ]
+    )
 
 
 def explained(call: Callable, *args: Any) -> Any:

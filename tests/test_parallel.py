@@ -191,6 +191,35 @@ def test_a_host_split_is_timed_by_its_copy_not_by_the_program_it_feeds():
     assert max(e.seconds for e in splits) < run.seconds / 4
 
 
+def test_a_call_laid_out_like_one_before_does_and_records_the_same(monkeypatch):
+    # the second call runs the plan the first one left (_parallel._Plan): same results, events
+    def f(w, x):
+        return x * w
+
+    g = mg.parallel(f, in_axes=(None, 0))
+    w, x = np.float32(2), np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    wv = np.full((3,), 2, np.float32)
+    first = g(wv, x)
+    before = [e._replace(start=0, seconds=0) for e in mg.ledger().records()]
+    mg.ledger().clear()
+    copies = []
+    real = _spmd.private
+    monkeypatch.setattr(_spmd, "private", lambda vs: copies.extend(v.nbytes for v in vs) or real(vs))
+    x2 = x + 1
+    second = g(wv, x2)
+    assert copies == [wv.nbytes, x2.nbytes]  # never the caller's memory on this path either
+    after = [e._replace(start=0, seconds=0) for e in mg.ledger().records()]
+    assert after == before and {e.kind for e in after} == {"split", "replicate", "run"}
+    assert sum(e.nbytes for e in after if e.kind == "split") == x.nbytes
+    np.testing.assert_array_equal(np.asarray(first), x * w)
+    np.testing.assert_array_equal(np.asarray(second), x2 * w)  # new values, not a cached result
+    assert mg.where(second) == "+".join(f"dev{i}" for i in range(N))
+    mg.use_contexts("p->cpu5;q->cpu6", verbose=False)  # another map: its own plan
+    third = g(wv, x)
+    assert mg.where(third) == "p+q"
+    assert {e.dst for e in mg.ledger().records("split")} >= {"p", "q"}
+
+
 def test_uneven_spmd_batch_is_gathered_on_the_first_context():
     out = mg.make_parallel(lambda x: x + 1, x=np.zeros(13, np.float32))
     assert mg.where(out) == "dev0" and out.shape == (13,)

@@ -89,7 +89,7 @@ def test_clear_caches_frees_every_program_and_what_it_closes_over():
     gc.collect()
     assert ref() is not None  # the cached programs hold it
     mg.clear_caches()
-    assert len(_spmd.programs) == 0 and len(_parallel._MAKE) == 0
+    assert len(_spmd.programs) == 0 and len(_parallel._MAKE) == 0 and len(_parallel._PLANS) == 0
     assert _spmd.mesh.cache_info().currsize == 0 and _spmd.sharding.cache_info().currsize == 0
     gc.collect()
     assert ref() is None
