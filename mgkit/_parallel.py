@@ -633,7 +633,18 @@ class Parallel:
         self._speeds: dict = {}
         self._layouts: dict = {}  # tree structure of (args, kwargs) -> one axis per leaf
         self._key = (_hashable(in_axes), _hashable(out_axes))  # with fn, what its plans depend on
+        self._last: tuple | None = None  # (context map, caller, contexts, targets) of the last call
         functools.update_wrapper(self, fn)
+
+    def _targets(self, where: str) -> Targets:
+        """``resolve(self.contexts, where)``, kept while the context map is the same one."""
+        cmap = _contexts.context_map()
+        last = self._last
+        if last is not None and last[0] is cmap and last[1] == where and last[2] is self.contexts:
+            return last[3]
+        targets = resolve(self.contexts, where)
+        self._last = (cmap, where, self.contexts, targets)
+        return targets
 
     def _batch(self, args: tuple, kwargs: dict, where: str) -> tuple[Batch, Targets]:
         targets = resolve(self.contexts, where)
@@ -670,7 +681,7 @@ class Parallel:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             layout = _leaf_layout(leaves)
             if layout is not None:  # a call laid out like one before runs its plan (see _Plan)
-                key = (self.fn, self._key, where, treedef, resolve(self.contexts, where), layout)
+                key = (self.fn, self._key, where, treedef, self._targets(where), layout)
                 plan = _PLANS.get(key, _none)
                 if plan is not None:
                     return plan.run(leaves)
