@@ -284,6 +284,13 @@ def test_parallel_inside_jit_on_the_spmd_path():
         f(np.ones(10, np.float32))
 
 
+def test_parallel_under_vmap_on_the_spmd_path():
+    f = mg.parallel(lambda w, x: x * w, in_axes=(None, 0))
+    x = np.arange(3 * 16 * 2, dtype=np.float32).reshape(3, 16, 2)
+    got = jax.vmap(f, in_axes=(None, 0))(np.float32(2), x)
+    np.testing.assert_array_equal(np.asarray(got), x * 2)
+
+
 def test_an_error_inside_fn_names_the_context():
     mg.use_contexts(SHARED, verbose=False)
 
