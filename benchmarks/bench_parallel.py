@@ -481,7 +481,7 @@ def profile_tiny(calls: int, split: NamedSharding, k: int) -> list[str]:
     for (path, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         if os.path.abspath(path).startswith(package + os.sep):
             where = f"{os.path.basename(path)}:{line}({func})"
-            if func == "_explained":
+            if func in ("explained", "_explained"):
                 # The compiled program is called from here; cProfile books that C++ call
                 # as this function's own time.
                 program += tt

@@ -30,6 +30,7 @@ from ._parallel import parallel as parallel
 from ._parallel import pmap as pmap
 from ._parallel import run_each as run_each
 from ._parallel import split as split
+from ._spmd import clear_caches as clear_caches
 from ._transfer import colocate as colocate
 from ._transfer import put as put
 from ._transfer import synchronize as synchronize
@@ -50,6 +51,7 @@ __all__ = [
     "Parallel",
     "ThroughputView",
     "TransferView",
+    "clear_caches",
     "colocate",
     "concat",
     "context_map",

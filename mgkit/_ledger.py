@@ -24,19 +24,30 @@ from ._table import Table, html_table, human_bytes, text_table
 log = logging.getLogger("mgkit")
 
 
-def _timed(events: list[Event], seconds: float) -> list[Event]:
-    """``events`` that completed together after ``seconds``, each given its share: all of them
-    where it is the only event between its two contexts, else its part of the bytes that
-    went between them (an equal part where none did)."""
-    links: dict[tuple[str, str], list[int]] = {}
-    for e in events:
-        links.setdefault((e.src, e.dst), []).append(e.nbytes)
+def link_shares(links: list[tuple[str, str, int]]) -> list[float]:
+    """Each event's share of the seconds that events completing together took, from its
+    (source, target, bytes): all of them where it is the only event between its two contexts,
+    else its part of the bytes that went between them (an equal part where none did)."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for src, dst, nbytes in links:
+        totals.setdefault((src, dst), []).append(nbytes)
     out = []
-    for e in events:
-        sizes = links[(e.src, e.dst)]
-        share = 1.0 if len(sizes) == 1 else e.nbytes / sum(sizes) if sum(sizes) else 1.0 / len(sizes)
-        out.append(e._replace(seconds=seconds * share))
+    for src, dst, nbytes in links:
+        sizes = totals[(src, dst)]
+        out.append(1.0 if len(sizes) == 1 else nbytes / sum(sizes) if sum(sizes) else 1.0 / len(sizes))
     return out
+
+
+def _timed(events: list[Event], seconds: float) -> list[Event]:
+    """``events`` that completed together after ``seconds``, each given its share (``link_shares``)."""
+    if len({(e[1], e[2]) for e in events}) == len(events):  # one event per pair: all the seconds
+        return [_new(Event, (*e[:7], seconds, e[8], e[9])) for e in events]
+    shares = link_shares([(e[1], e[2], e[5]) for e in events])
+    pairs = zip(events, shares, strict=True)
+    return [_new(Event, (*e[:7], seconds * share, e[8], e[9])) for e, share in pairs]
+
+
+_new = tuple.__new__  # an Event from a tuple of its fields, without NamedTuple's argument parsing
 
 
 class Event(NamedTuple):
@@ -228,17 +239,20 @@ class Ledger:
 
     def _record_all(self, events) -> None:
         with self._lock:
+            over = len(self._events) + len(events) - (self._events.maxlen or 0)
+            if over > 0:  # the oldest events drop out of the ring buffer
+                self.dropped += over
+            self._events.extend(events)
+            totals = self._totals
             for event in events:
-                if len(self._events) == self._events.maxlen:
-                    self.dropped += 1
-                self._events.append(event)
-                key = (event.kind, event.src, event.dst)
-                tot = self._totals.get(key)
+                key = (event[0], event[1], event[2])  # kind, src, dst
+                tot = totals.get(key)
                 if tot is None:
-                    tot = self._totals[key] = [0, 0, 0.0]
-                tot[0] += 1
-                tot[1] += event.nbytes
-                tot[2] += event.seconds
+                    totals[key] = [1, event[5], event[7]]  # count, nbytes, seconds
+                else:
+                    tot[0] += 1
+                    tot[1] += event[5]
+                    tot[2] += event[7]
             subscribers = list(self._subscribers) if self._subscribers else ()
         for event in events if subscribers else ():
             for sub in subscribers:
@@ -258,7 +272,10 @@ class Ledger:
         handed to a watcher thread that waits for it.
         """
         events = [event] if isinstance(event, Event) else event
-        if all(a.is_ready() for a in arrays):
+        for a in arrays:
+            if not a.is_ready():
+                break
+        else:  # all complete: recorded here, no watcher needed
             self._record_all(_timed(events, time.perf_counter() - t0))
             return
         with self._lock:

@@ -16,132 +16,57 @@ recorded in the ledger.
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import math
 import numbers
-import threading
+import re
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from . import _contexts, _devices
-from ._contexts import ContextMap, explain_incompatible
+from . import _contexts, _devices, _spmd
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
-from ._transfer import concrete, leaves_of, place, private_copy, stageable, target
+from ._spmd import (
+    AXIS,
+    Batch,
+    Cache,
+    Targets,
+    explained,
+    fn_name,
+    is_abstract,
+    kept,
+    mesh,
+    per_context,
+    place_spmd,
+    programs,
+    record,
+    record_run,
+    resolve,
+    run_layout,
+    sharding,
+    shares,
+    spec,
+    spmd_layout,
+    trim,
+)
+from ._transfer import leaves_of, place, target
 
-AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
 _REDUCE_HINT = (
     "For a reduction over the whole batch, reduce after the call (e.g. out.mean()) or use "
     "mg.pmap(fn, axis_name='i') with jax.lax.psum inside; for a value that is the same on every "
-    "context, pass out_axes=None."
+    "context, pass out_axes=None"
 )
-
-# -- contexts ------------------------------------------------------------------------------
-
-
-class Targets(NamedTuple):
-    """The contexts a parallel op runs on, resolved against the current map."""
-
-    names: tuple[str, ...]
-    devices: tuple[jax.Device, ...]
-    spmd: bool  # distinct devices of one kind: one SPMD program can span them
-
-    def describe(self) -> str:
-        return f"{len(self.names)} context(s): {', '.join(self.names)}"
-
-
-def resolve(contexts: Any, fn: str) -> Targets:
-    """Context names (None: every context in the map; an int n: the first n) -> Targets."""
-    cmap = _contexts.context_map()
-    if contexts is None:
-        spec: Any = None
-    elif isinstance(contexts, bool):
-        raise TypeError(f"{fn}: contexts={contexts!r}; pass context names, a count or None")
-    elif isinstance(contexts, numbers.Integral):
-        spec = int(contexts)
-    elif isinstance(contexts, str | jax.Device):
-        spec = (contexts,)
-    elif isinstance(contexts, ContextMap):
-        spec = tuple(contexts.names) if contexts == cmap else contexts
-    elif isinstance(contexts, Mapping | Sequence):
-        spec = tuple(contexts)
-    else:
-        raise TypeError(
-            f"{fn}: contexts must be a list of context names (e.g. {list(cmap.names[:2])}), a count "
-            f"or None for every context; got {type(contexts).__name__} {contexts!r}"
-        )
-    return _resolve(cmap, spec, fn)
-
-
-@functools.lru_cache(maxsize=256)
-def _resolve(cmap: ContextMap, spec: Any, fn: str) -> Targets:
-    if isinstance(spec, ContextMap):  # a map that is not installed: use its own devices
-        devs = spec.devices()
-        names, devices = tuple(devs), tuple(devs.values())
-    else:
-        if spec is None:
-            names = cmap.names
-        elif isinstance(spec, int):
-            if not 1 <= spec <= len(cmap):
-                raise ValueError(
-                    f"{fn}: contexts={spec}, but the map has {len(cmap)} context(s) ({cmap}); "
-                    f"pass a count from 1 to {len(cmap)}, or context names"
-                )
-            names = cmap.names[:spec]
-        else:
-            names = spec
-        if not names:
-            raise ValueError(
-                f"{fn}: the context list is empty; pass context names such as {list(cmap.names[:2])}, "
-                f"or contexts=None for every context in the map ({cmap})"
-            )
-        devices_list = []
-        for name in names:
-            try:
-                devices_list.append(_contexts.device_of(name))
-            except (ContextError, TypeError) as e:
-                raise type(e)(f"{fn}: {e}") from None
-        names = tuple(n if isinstance(n, str) else _contexts.name_of(n) for n in names)
-        devices = tuple(devices_list)
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(
-            f"{fn}: context {repeated[0]!r} is listed more than once in {list(names)}; to run two "
-            f"parts on one device, map two names to it, e.g. mg.use_contexts('a->cpu0;b->cpu0')"
-        )
-    spmd = len(set(devices)) == len(devices) and len({d.platform for d in devices}) == 1
-    return Targets(names, devices, spmd)
-
-
-@functools.lru_cache(maxsize=64)
-def mesh(devices: tuple[jax.Device, ...], axis_name: str = AXIS) -> Mesh:
-    """A one-axis mesh over the devices, in order."""
-    return Mesh(np.array(devices, dtype=object), (axis_name,))
-
+_REDUCE_FIX = {  # where a value that is the same on every context is declared, per function
+    "make_parallel": " to mg.parallel (make_parallel concatenates every output along axis 0).",
+}
 
 # -- sizes ---------------------------------------------------------------------------------
-
-
-def per_context(values: Mapping, targets: Targets, what: str, fn: str) -> list:
-    """The values of a {context: value} mapping in context order; every context exactly once."""
-    unknown = [c for c in values if c not in targets.names]
-    missing = [c for c in targets.names if c not in values]
-    if unknown or missing:
-        raise ValueError(
-            f"{fn}: {what} must have one entry per context ({targets.describe()}); "
-            + (f"unknown: {unknown}. " if unknown else "")
-            + (f"missing: {missing}." if missing else "")
-        )
-    return [values[c] for c in targets.names]
 
 
 def check_weights(weights: Any, targets: Targets, fn: str) -> tuple[float, ...] | None:
@@ -176,27 +101,6 @@ def check_weights(weights: Any, targets: Targets, fn: str) -> tuple[float, ...] 
             f"needs a positive weight"
         )
     return tuple(float(w) for w in weights)
-
-
-@functools.lru_cache(maxsize=1024)
-def shares(n: int, k: int, weights: tuple[float, ...] | None = None) -> tuple[int, ...]:
-    """Rows per part: proportional to the weights with largest-remainder rounding (ties to the
-    earlier part); without weights the sizes differ by at most one.
-
-    >>> shares(10, 4)
-    (3, 3, 2, 2)
-    >>> shares(10, 2, (3.0, 1.0))
-    (8, 2)
-    """
-    if weights is None:
-        return tuple(n // k + (i < n % k) for i in range(k))
-    total = sum(weights)
-    quotas = [n * w / total for w in weights]
-    sizes = [math.floor(q) for q in quotas]
-    order = sorted(range(k), key=lambda i: (sizes[i] - quotas[i], i))
-    for i in order[: n - sum(sizes)]:
-        sizes[i] += 1
-    return tuple(sizes)
 
 
 # -- batches and axes ----------------------------------------------------------------------
@@ -239,20 +143,11 @@ def _leaf_axes(axes: Any, tree: Any, what: str, fn: str) -> tuple:
     return tuple(out)
 
 
-class Batch(NamedTuple):
-    """A flattened pytree of arguments, which leaves are split (and along which axis), rows."""
-
-    leaves: list
-    treedef: Any
-    axes: tuple  # per leaf: None (shared) or a non-negative axis
-    n: int
-    names: Callable[[int], str]  # leaf index -> readable name, for messages
-
-
-def describe(tree: Any, axes: Any, targets: Targets, fn: str, names: Callable[[int], str]) -> Batch:
-    """Flattens ``tree``, checks every split leaf has the same number of rows along its axis."""
-    leaves, treedef = leaves_of(tree, fn, names)
-    per_leaf = leaf_axes(axes, tree, "in_axes" if fn != "split" else "axis", fn)
+def describe(
+    leaves: list, treedef: Any, per_leaf: Sequence, targets: Targets, fn: str, names: Callable[[int], str]
+) -> Batch:
+    """Checks every split leaf has the same number of rows along its axis (``per_leaf``: one
+    axis or None per leaf); ``fn`` names the caller in messages and picks their advice."""
     norm = []
     n, first = None, None
     for i, (leaf, ax) in enumerate(zip(leaves, per_leaf, strict=True)):
@@ -263,8 +158,7 @@ def describe(tree: Any, axes: Any, targets: Targets, fn: str, names: Callable[[i
         if not shape:
             raise ValueError(
                 f"{fn}: {names(i)} is a scalar (shape ()), but it is split along axis {ax} across "
-                f"{targets.describe()}; pass a batch with a leading axis"
-                + ("" if fn == "split" else ", or mark it as shared on every context with in_axes=None")
+                f"{targets.describe()}; pass a batch with a leading axis" + _SHARED_HINT[fn]
             )
         if not -len(shape) <= ax < len(shape):
             raise ValueError(
@@ -282,11 +176,43 @@ def describe(tree: Any, axes: Any, targets: Targets, fn: str, names: Callable[[i
                 f"needs the same batch size to be split across {targets.describe()}"
             )
     if n is None:
-        raise ValueError(
-            f"{fn}: every argument is shared (in_axes is None for all of them), so there is no batch "
-            f"to split across {targets.describe()}; mark the batch argument with in_axes=0"
-        )
+        raise ValueError(_no_batch(fn, treedef, bool(leaves), targets))
     return Batch(leaves, treedef, tuple(norm), int(n), names)
+
+
+_SHARED_HINT = {  # how a value is shared by every context instead of split, per function
+    "split": "",
+    "parallel": ", or mark it as shared on every context with in_axes=None",
+    "pmap": ", or mark it as shared on every context with in_axes=None",
+    "make_parallel": (
+        "; make_parallel splits every keyword argument along axis 0, so close over a value that every "
+        "context shares (e.g. mg.make_parallel(lambda x: f(x, w), x=x)), or use "
+        "mg.parallel(f, in_axes=(0, None))(x, w)"
+    ),
+}
+
+
+def _no_batch(fn: str, treedef: Any, has_leaves: bool, targets: Targets) -> str:
+    """The message for a call with nothing to split."""
+    if fn == "make_parallel":
+        given = jax.tree_util.tree_unflatten(treedef, [])[1]  # nothing to split: no leaves at all
+        shown = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        verb = "holds" if len(given) == 1 else "hold"
+        return (
+            f"make_parallel: {shown} {verb} no array to split; each keyword argument is a batch split "
+            f"along axis 0 across {targets.describe()}, so pass arrays, e.g. "
+            "mg.make_parallel(f, x=np.ones((8, 4)))"
+        )
+    if fn == "split" or not has_leaves:
+        what = "the tree holds" if fn == "split" else "the arguments hold"
+        return (
+            f"{fn}: {what} no array to split ({treedef}); pass a batch, e.g. a numpy or JAX array "
+            f"with one row per sample, to split across {targets.describe()}"
+        )
+    return (
+        f"{fn}: every argument is shared (in_axes is None for all of them), so there is no batch "
+        f"to split across {targets.describe()}; mark the batch argument with in_axes=0"
+    )
 
 
 def _slice(leaf: Any, start: int, size: int, axis: int) -> Any:
@@ -295,19 +221,9 @@ def _slice(leaf: Any, start: int, size: int, axis: int) -> Any:
     return jax.lax.slice_in_dim(leaf, start, start + size, axis=axis)
 
 
-def _take(leaf: Any, index: np.ndarray, axis: int) -> Any:
-    if isinstance(leaf, np.ndarray | np.generic):
-        return np.take(leaf, index, axis=axis)
-    return jnp.take(leaf, index, axis=axis)
-
-
 def _dtype(leaf: Any) -> np.dtype:
     dtype = getattr(leaf, "dtype", None)
     return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
-
-
-def _is_abstract(leaves: list) -> bool:
-    return any(isinstance(x, jax.core.Tracer) and x.to_concrete_value() is None for x in leaves)
 
 
 # -- split and concat ----------------------------------------------------------------------
@@ -334,8 +250,16 @@ def split(tree: Any, contexts: Any = None, axis: int = 0, weights: Any = None) -
     >>> {k: v.tolist() for k, v in parts.items()}
     {'a': [0, 1, 2, 3], 'b': [4]}
     """
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(
+            f"split: axis={axis!r}; give the int axis to cut every leaf along, e.g. axis=0 "
+            "(every leaf of the tree is split; to give a value to every context, use mg.put on each)"
+        )
+    axis = int(axis)
     targets = resolve(contexts, "split")
-    batch = describe(tree, axis, targets, "split", lambda i: _tree_leaf_name(tree, i))
+    names = functools.partial(_tree_leaf_name, tree)
+    leaves, treedef = leaves_of(tree, "split", names)
+    batch = describe(leaves, treedef, (axis,) * len(leaves), targets, "split", names)
     sizes = shares(batch.n, len(targets.names), check_weights(weights, targets, "split"))
     parts: dict[str, Any] = {}
     start = 0
@@ -435,35 +359,8 @@ def _check_column(column: tuple, labels: list[str], axis: int, leaf_name: Callab
 # -- programs ------------------------------------------------------------------------------
 
 
-class _Cache:
-    """A small thread-safe LRU of compiled programs (keyed by function identity and layout)."""
-
-    def __init__(self, size: int = 256):
-        self._items: collections.OrderedDict = collections.OrderedDict()
-        self._size = size
-        self._lock = threading.Lock()
-
-    def get(self, key: Any, build: Callable[[], Any]) -> Any:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-                return value
-        value = build()
-        with self._lock:
-            self._items[key] = value
-            if len(self._items) > self._size:
-                self._items.popitem(last=False)
-        return value
-
-
-_PROGRAMS = _Cache()
-_AXES = _Cache(1024)  # (tree structure, axes) -> one axis per leaf
-_MAKE = _Cache()  # (fn, contexts) -> the Parallel that make_parallel reuses
-
-
-def _fn_name(fn: Callable) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
+_AXES = Cache(1024)  # (tree structure, axes) -> one axis per leaf
+_MAKE = Cache()  # (fn, contexts) -> the Parallel that make_parallel reuses
 
 
 def _checked(fn: Callable, treedef: Any, axes: tuple, out_axes: Any, k: int, where: str) -> Callable:
@@ -489,46 +386,49 @@ def _check_out(out: Any, out_axes: Any, rows: int, k: int, fn: Callable, where: 
         what = "a scalar (shape ())" if not shape else f"shape {tuple(shape)}"
         if not -len(shape) <= ax < len(shape) or shape[ax] != rows:
             raise ValueError(
-                f"{where}: {_fn_name(fn)} returned {what} for {label} on a part of {rows} rows "
+                f"{where}: {fn_name(fn)} returned {what} for {label} on a part of {rows} rows "
                 f"({k} context(s)); the outputs are concatenated along axis {ax}, so each needs "
-                f"{rows} rows there. {_REDUCE_HINT}"
+                f"{rows} rows there. {_REDUCE_HINT}{_REDUCE_FIX.get(where, '.')}"
             )
 
 
 def _out_specs(out_axes: Any, axis_name: str) -> Any:
-    def spec(ax):
-        return P() if ax is None else P(*([None] * ax), axis_name)
-
     if out_axes is None or isinstance(out_axes, int):
-        return spec(out_axes)
-    return jax.tree_util.tree_map(spec, out_axes, is_leaf=lambda x: x is None)
+        return spec(out_axes, axis_name)
+    return jax.tree_util.tree_map(lambda ax: spec(ax, axis_name), out_axes, is_leaf=lambda x: x is None)
 
 
-def _spmd_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, where: str) -> Callable:
-    key = ("spmd", fn, batch.treedef, batch.axes, _hashable(out_axes), targets.devices)
+def _spmd_program(
+    fn: Callable, batch: Batch, out_axes: Any, targets: Targets, where: str, traced: bool = False
+) -> Callable:
+    """jit(shard_map) of ``fn`` over the contexts' mesh; ``traced``: for a call inside another
+    transformation (``vmap`` adds axes that fixed input shardings would not have)."""
+    key = ("spmd", fn, batch.treedef, batch.axes, _hashable(out_axes), targets.devices, where, traced)
 
     def build():
-        in_specs = tuple(P() if ax is None else P(*([None] * ax), AXIS) for ax in batch.axes)
-        in_shardings = tuple(_sharding(targets.devices, AXIS, ax) for ax in batch.axes)
         body = _checked(fn, batch.treedef, batch.axes, out_axes, len(targets.devices), where)
         mapped = jax.shard_map(
             body,
             mesh=mesh(targets.devices),
-            in_specs=in_specs,
+            in_specs=tuple(spec(ax) for ax in batch.axes),
             out_specs=_out_specs(out_axes, AXIS),
             check_vma=False,
         )
-        return jax.jit(mapped, in_shardings=in_shardings)
+        if traced:
+            return jax.jit(mapped)
+        return jax.jit(mapped, in_shardings=tuple(sharding(targets.devices, AXIS, ax) for ax in batch.axes))
 
-    return _PROGRAMS.get(key, build)
+    return programs.get(key, build)
 
 
 def _dispatch_program(fn: Callable, batch: Batch, out_axes: Any, k: int, where: str) -> Callable:
-    key = ("dispatch", fn, batch.treedef, batch.axes, _hashable(out_axes), k)
-    return _PROGRAMS.get(key, lambda: jax.jit(_checked(fn, batch.treedef, batch.axes, out_axes, k, where)))
+    key = ("dispatch", fn, batch.treedef, batch.axes, _hashable(out_axes), k, where)
+    return programs.get(key, lambda: jax.jit(_checked(fn, batch.treedef, batch.axes, out_axes, k, where)))
 
 
 def _hashable(axes: Any) -> Any:
+    if axes is None or isinstance(axes, int):
+        return axes
     leaves, treedef = jax.tree_util.tree_flatten(axes, is_leaf=lambda x: x is None)
     return (treedef, tuple(leaves))
 
@@ -536,186 +436,31 @@ def _hashable(axes: Any) -> Any:
 # -- running -------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=256)
-def _padding(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """(index that pads every part to the largest, positions of the real rows after padding)."""
-    s, n = max(sizes), sum(sizes)
-    index, keep, start = [], [], 0
-    for i, size in enumerate(sizes):
-        pad_row = start + size - 1 if size else n - 1
-        index.extend(range(start, start + size))
-        index.extend([pad_row] * (s - size))
-        keep.extend(range(i * s, i * s + size))
-        start += size
-    return np.asarray(index, dtype=np.int32), np.asarray(keep, dtype=np.int32)
-
-
-@functools.lru_cache(maxsize=1024)
-def _sharding(devices: tuple[jax.Device, ...], axis_name: str, ax: int | None) -> NamedSharding:
-    return NamedSharding(mesh(devices, axis_name), P() if ax is None else P(*([None] * ax), axis_name))
-
-
-def place_spmd(
-    batch: Batch,
-    targets: Targets,
-    sizes: tuple[int, ...],
-    axis_name: str = AXIS,
-    own: bool | Collection[int] = False,
-) -> list:
-    """Lays the leaves out for one SPMD program: split leaves part i on device i (padded to
-    equal parts when the sizes differ), shared leaves on every device.
-
-    Host and device arrays are moved here, in one placement, and recorded once they land (timed
-    from the start of the move, so a copy's seconds are its own, not the program's). A host
-    array bound for CPU devices goes through a private copy (``stageable``) unless it is the
-    caller's ``own`` (True: every leaf; else the leaves' indices), made for this call and never
-    the user's. Leaves already laid out are not moved.
-    """
-    own = range(len(batch.leaves)) if own is True else own or ()
-    padded = len(set(sizes)) > 1
-    index = _padding(sizes)[0] if padded else None
-    staged = _is_abstract(batch.leaves)
-    out = list(batch.leaves)
-    moving, shardings, moves = [], [], []
-    t0, start = time.perf_counter(), time.time()
-    for i, (leaf, ax) in enumerate(zip(batch.leaves, batch.axes, strict=True)):
-        value = concrete(leaf)
-        if padded and ax is not None:
-            out[i] = _take(leaf, index, ax)
-        sharding = _sharding(targets.devices, axis_name, ax)
-        if isinstance(value, _HOST_TYPES):
-            if i not in own:
-                if staged:  # traced: left to the program, as constants
-                    continue
-                if stageable(out[i], targets.devices):
-                    # device_put keeps an aligned host array's buffer: never the user's own
-                    out[i] = private_copy(out[i])
-        elif (
-            not padded
-            and isinstance(value, jax.Array)
-            and value.sharding.is_equivalent_to(sharding, value.ndim)
-        ):
-            if not staged and value.sharding != sharding:
-                # The same buffers under another mesh (jax.make_mesh's Explicit axes would
-                # leak into the program): relabel them, which copies nothing.
-                out[i] = jax.device_put(value, sharding)
-            continue
-        moving.append(i)
-        shardings.append(sharding)
-        if not staged:
-            moves.append((value, ax))
-    if moving:
-        placed = jax.device_put([out[i] for i in moving], shardings)
-        for i, p in zip(moving, placed, strict=True):
-            out[i] = p
-        if not staged:
-            events = _spmd_events(moves, targets, sizes, start)
-            ledger().record_when_ready(events, [concrete(p) for p in placed], t0)
-    return out
-
-
-_HOST_TYPES = (np.ndarray, np.generic, numbers.Number)
-
-
-def _spmd_events(moves: list, targets: Targets, sizes: tuple[int, ...], start: float) -> list[Event]:
-    """One event per (kind, source, context): the bytes that land on each context."""
-    from ._transfer import _source
-
-    layout = []
-    for value, ax in moves:
-        src_name, src_dev, src_devices = _source(value)
-        layout.append((src_name, src_dev, src_devices, np.shape(value), _dtype(value), ax))
-    label = execution_label()
-    return [
-        Event(*head, start, 0.0, label, info) for *head, info in _spmd_layout(targets, sizes, tuple(layout))
-    ]
-
-
-@functools.lru_cache(maxsize=1024)
-def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> list[tuple]:
-    """(kind, src, dst, src_device, dst_device, nbytes, info) per (kind, source, context)."""
-    totals: dict[tuple, list] = {}
-    for src_name, src_dev, src_devices, shape, dtype, ax in layout:
-        itemsize = np.dtype(jax.dtypes.canonicalize_dtype(dtype)).itemsize
-        per_row = (
-            math.prod(shape) * itemsize if ax is None else math.prod(shape[:ax] + shape[ax + 1 :]) * itemsize
-        )
-        kind = "replicate" if ax is None else "split"
-        for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
-            if src_devices == frozenset((device,)) or (ax is not None and not size):
-                continue  # this part is already there, or it has no rows
-            key = (kind, src_name, name, src_dev, _devices.short_name(device))
-            entry = totals.setdefault(key, [0, 0, size])
-            entry[0] += per_row if ax is None else per_row * size
-            entry[1] += 1
-    of = sum(sizes)
-    return [
-        (*key, nbytes, {"arrays": count, "rows": rows, "of": of})
-        for key, (nbytes, count, rows) in totals.items()
-    ]
-
-
-def _run_events(
-    targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, start: float, of: int
-) -> list:
-    """One ``run`` event per context with rows: its share of a call over ``of`` rows."""
-    label = execution_label()
-    return [
-        Event(*head, start, 0.0, label, info)
-        for *head, info in _run_layout(targets, sizes, _fn_name(fn), path, of)
-    ]
-
-
-@functools.lru_cache(maxsize=1024)
-def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> list[tuple]:
-    return [
-        ("run", name, name, dev, dev, 0, {"fn": fn, "of": of, "path": path, "rows": size})
-        for name, dev, size in zip(
-            targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
-        )
-        if size
-    ]
-
-
-def _explained(call: Callable, *args: Any) -> Any:
-    """Runs ``call``; JAX's incompatible-devices error comes back in context names."""
-    try:
-        return call(*args)
-    except ValueError as e:
-        better = explain_incompatible(e)
-        if better is None:
-            raise
-        raise better from e
-
-
 def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     """One SPMD program over the contexts' mesh; parts padded to equal size and trimmed."""
     placed = place_spmd(batch, targets, sizes)
-    program = _spmd_program(fn, batch, out_axes, targets, where)
+    traced = is_abstract(batch.leaves)
+    program = _spmd_program(fn, batch, out_axes, targets, where, traced)
     start, t0 = time.time(), time.perf_counter()
-    out = _explained(program, *placed)
+    out = explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-    if not _is_abstract(batch.leaves):
-        events = _run_events(targets, sizes, fn, "spmd", start, batch.n)
-        ledger().record_when_ready(events, [concrete(x) for x in out_leaves], t0)
+    if not traced:
+        record_run(targets, sizes, fn, "spmd", start, batch.n, out_leaves, t0)
     padded = len(set(sizes)) > 1
     if not padded and to is None:
         return out
-    keep = _padding(sizes)[1] if padded else None
     axes = leaf_axes(out_axes, out, "out_axes", where)
     name, device = target(targets.names[0] if to is None else to, where)
     gathered = place(out_leaves, name, device, "gather", {"from": "+".join(targets.names)})
-    take = np.take if device is None else jnp.take
     trimmed = [
-        x if (ax is None or keep is None) else take(x, keep, axis=ax)
-        for x, ax in zip(gathered, axes, strict=True)
+        x if (ax is None or not padded) else trim(x, sizes, ax) for x, ax in zip(gathered, axes, strict=True)
     ]
     return jax.tree_util.tree_unflatten(out_tree, trimmed)
 
 
 def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     """One program per context with rows, all dispatched before any is waited on, then gathered."""
-    if _is_abstract(batch.leaves):
+    if is_abstract(batch.leaves):
         raise TypeError(
             f"{where}: these contexts ({targets.describe()}) need one program per context, which "
             "cannot be traced inside jax.jit or jax.vmap. Call it outside jit (mgkit compiles fn "
@@ -739,14 +484,13 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
             leaves[j] = v
         begin, t0 = time.time(), time.perf_counter()
         try:
-            out = _explained(program, *leaves)
+            out = explained(program, *leaves)
         except Exception as e:
             where_run = f"context {name!r} ({_devices.short_name(device)})"
-            e.add_note(f"mgkit: raised while running {_fn_name(fn)} on {where_run}")
+            e.add_note(f"mgkit: raised while running {fn_name(fn)} on {where_run}")
             raise
         one = targets._replace(names=(name,), devices=(device,))
-        events = _run_events(one, (size,), fn, "dispatch", begin, batch.n)
-        ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+        record_run(one, (size,), fn, "dispatch", begin, batch.n, out, t0)
         outs.append(out)
         names.append(name)
     if len(outs) == 1 and to is None:
@@ -762,6 +506,67 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
         for j, (m0, ax) in enumerate(zip(moved[0], axes, strict=True))
     ]
     return jax.tree_util.tree_unflatten(first[1], result)
+
+
+class _Plan(NamedTuple):
+    """What a call of ``parallel`` does again for inputs laid out like a call before: host arrays
+    split evenly over distinct devices of one kind (copied, placed, recorded) and one program.
+    Everything ``describe``, ``place_spmd`` and the program cache work out is kept, so the next
+    such call only copies, places, runs and records (``run``)."""
+
+    targets: Targets
+    copies: tuple[int, ...]  # host leaves copied before they are placed (``private``)
+    moving: tuple[int, ...]  # leaves placed, with their shardings
+    shardings: list
+    split: tuple  # the placement's events (``record``)
+    runs: tuple  # the program's run events
+    program: Callable
+
+    def run(self, leaves: list) -> Any:
+        t0, start = time.perf_counter(), time.time()
+        leaves = list(leaves)
+        if self.copies:
+            for i, c in zip(self.copies, _spmd.private([leaves[i] for i in self.copies]), strict=True):
+                leaves[i] = c
+        placed = jax.device_put([leaves[i] for i in self.moving], self.shardings)
+        for i, p in zip(self.moving, placed, strict=True):
+            leaves[i] = p
+        record(self.split, start, placed, t0)
+        start, t0 = time.time(), time.perf_counter()
+        out = explained(self.program, *leaves)
+        record(self.runs, start, jax.tree_util.tree_leaves(out), t0)
+        return out
+
+
+_PLANS = Cache(256)  # (fn, axes, caller, structure, targets, leaf layout) -> _Plan
+
+
+def _none() -> None:
+    return None
+
+
+def _leaf_layout(leaves: list) -> tuple | None:
+    """(shape, dtype) per leaf when every leaf is a host numpy array, else None (no plan)."""
+    out = []
+    for x in leaves:
+        if type(x) is not np.ndarray:
+            return None
+        out.append((x.shape, x.dtype))
+    return tuple(out)
+
+
+def _plan(fn, batch, targets, sizes, out_axes, where) -> _Plan | None:
+    """The plan for calls like this one (host arrays, an even SPMD split), else None."""
+    if not (batch.n and targets.spmd and len(set(sizes)) == 1):
+        return None
+    cpu = targets.devices[0].platform == "cpu"
+    moving = tuple(range(len(batch.leaves)))
+    copies = tuple(i for i in moving if cpu and kept(batch.leaves[i].dtype))
+    shardings = [sharding(targets.devices, AXIS, ax) for ax in batch.axes]
+    split = spmd_layout([(x, ax) for x, ax in zip(batch.leaves, batch.axes, strict=True)], targets, sizes)
+    runs = run_layout(targets, sizes, fn, "spmd", batch.n)
+    program = _spmd_program(fn, batch, out_axes, targets, where)
+    return _Plan(targets, copies, moving, shardings, split, runs, program)
 
 
 def run(fn, batch, targets, sizes, out_axes, to, where) -> Any:
@@ -826,35 +631,73 @@ class Parallel:
         self.fn, self.contexts, self.in_axes, self.out_axes = fn, contexts, in_axes, out_axes
         self.weights, self.balance, self.to = weights, balance, to
         self._speeds: dict = {}
+        self._layouts: dict = {}  # tree structure of (args, kwargs) -> one axis per leaf
+        self._key = (_hashable(in_axes), _hashable(out_axes))  # with fn, what its plans depend on
+        self._last: tuple | None = None  # (context map, caller, contexts, targets) of the last call
         functools.update_wrapper(self, fn)
+
+    def _targets(self, where: str) -> Targets:
+        """``resolve(self.contexts, where)``, kept while the context map is the same one."""
+        cmap = _contexts.context_map()
+        last = self._last
+        if last is not None and last[0] is cmap and last[1] == where and last[2] is self.contexts:
+            return last[3]
+        targets = resolve(self.contexts, where)
+        self._last = (cmap, where, self.contexts, targets)
+        return targets
 
     def _batch(self, args: tuple, kwargs: dict, where: str) -> tuple[Batch, Targets]:
         targets = resolve(self.contexts, where)
+        tree = (args, kwargs)
+        names = _argument_names(self.fn, tree)
+        leaves, treedef = leaves_of(tree, where, names)
+        per_leaf = self._layouts.get(treedef)
+        if per_leaf is None:  # the axes depend only on the structure: worked out once per structure
+            per_leaf = self._leaf_axes(args, kwargs, where)
+            if len(self._layouts) < 64:
+                self._layouts[treedef] = per_leaf
+        return describe(leaves, treedef, per_leaf, targets, where, names), targets
+
+    def _leaf_axes(self, args: tuple, kwargs: dict, where: str) -> tuple:
         in_axes = self.in_axes
         if isinstance(in_axes, tuple | list):
             if len(in_axes) != len(args):
                 raise ValueError(
                     f"{where}: in_axes={tuple(in_axes)!r} has {len(in_axes)} entries, but "
-                    f"{_fn_name(self.fn)} was called with {len(args)} positional argument(s); give one "
+                    f"{fn_name(self.fn)} was called with {len(args)} positional argument(s); give one "
                     f"entry per positional argument"
                 )
             axes = tuple(in_axes)
         else:
             axes = (in_axes,) * len(args)
-        tree = (args, kwargs)
-        return describe(
-            tree, (axes, dict.fromkeys(kwargs, 0)), targets, where, _argument_names(self.fn, tree)
-        ), targets
+        return tuple(leaf_axes((axes, dict.fromkeys(kwargs, 0)), (args, kwargs), "in_axes", where))
 
     def __call__(self, *args, **kwargs):
-        batch, targets = self._batch(args, kwargs, "parallel")
+        return self._call(args, kwargs, "parallel")
+
+    def _call(self, args: tuple, kwargs: dict, where: str) -> Any:
+        key = None
+        if self.weights is None and self.balance is None and self.to is None:
+            leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+            layout = _leaf_layout(leaves)
+            if layout is not None:  # a call laid out like one before runs its plan (see _Plan)
+                key = (self.fn, self._key, where, treedef, self._targets(where), layout)
+                plan = _PLANS.get(key, _none)
+                if plan is not None:
+                    return plan.run(leaves)
+        batch, targets = self._batch(args, kwargs, where)
         if self.balance == "measured":
             speeds = self._measure(batch, targets)
             weights = tuple(speeds[n] for n in targets.names)
         else:
-            weights = check_weights(self.weights, targets, "parallel")
+            weights = check_weights(self.weights, targets, where)
         sizes = shares(batch.n, len(targets.names), weights)
-        return run(self.fn, batch, targets, sizes, self.out_axes, self.to, "parallel")
+        out = run(self.fn, batch, targets, sizes, self.out_axes, self.to, where)
+        if key is not None and not is_abstract(batch.leaves):
+            plan = _plan(self.fn, batch, targets, sizes, self.out_axes, where)
+            if plan is not None:
+                _PLANS.get(key, lambda: plan)
+        return out
 
     def speeds(self, *args, **kwargs) -> dict[str, float]:
         """Rows per second of ``fn`` on each context, measured once per input shape (cached).
@@ -870,7 +713,7 @@ class Parallel:
         key = (targets.names, targets.devices, batch.treedef, batch.axes, shapes)
         if key in self._speeds:
             return self._speeds[key]
-        if _is_abstract(batch.leaves):
+        if is_abstract(batch.leaves):
             raise TypeError("parallel: balance='measured' times real calls; call it outside jax.jit first")
         sizes = shares(batch.n, len(targets.names))
         speeds = {}
@@ -895,7 +738,7 @@ class Parallel:
 
     def __repr__(self) -> str:
         return (
-            f"mg.parallel({_fn_name(self.fn)}, contexts={self.contexts!r}, in_axes={self.in_axes!r}, "
+            f"mg.parallel({fn_name(self.fn)}, contexts={self.contexts!r}, in_axes={self.in_axes!r}, "
             f"out_axes={self.out_axes!r}, weights={self.weights!r}, balance={self.balance!r})"
         )
 
@@ -959,6 +802,8 @@ def make_parallel(fn: Callable, contexts: Any = None, **kwargs: Any) -> Any:
     >>> c.tolist()
     [1.0, 2.0, 3.0, 4.0, 5.0]
     """
+    if not callable(fn):
+        raise TypeError(f"make_parallel: fn must be callable, got {type(fn).__name__} {fn!r}")
     if not kwargs:
         raise TypeError(
             "make_parallel: no keyword arguments to split; pass the batches by name, "
@@ -968,7 +813,7 @@ def make_parallel(fn: Callable, contexts: Any = None, **kwargs: Any) -> Any:
         wrapper = _MAKE.get((fn, contexts), lambda: Parallel(fn, contexts))
     except TypeError:  # unhashable contexts (a list): no reuse
         wrapper = Parallel(fn, contexts)
-    return wrapper(**kwargs)
+    return wrapper._call((), kwargs, "make_parallel")
 
 
 def pmap(
@@ -977,10 +822,16 @@ def pmap(
     """``jax.pmap``'s semantics on ``jax.shard_map``: one slice of the mapped axis per context.
 
     ``fn`` sees one slice (the mapped axis removed) and may use collectives over ``axis_name``
-    (``jax.lax.psum``, ``pmean``, ``all_gather``...). Outputs are stacked along ``out_axes``,
-    one slice per context, sharded over the contexts; ``out_axes=None`` returns a value that is
-    the same on every context (e.g. after ``psum``). The contexts must be distinct devices of
-    one kind, as for pmap.
+    (``jax.lax.psum``, ``pmean``, ``all_gather``, ``ppermute``, ``axis_index``...), with
+    ``jax.pmap``'s results: as in ``jax.pmap``, values are not tracked as varying or invariant
+    over the axis (a ``lax.scan`` carry may start as ``0`` and add ``axis_index``), and ``psum``
+    of a value shared with ``in_axes=None`` sums one copy per context. Outputs are stacked along
+    ``out_axes``, one slice per context, sharded over the contexts; ``out_axes=None`` returns a
+    value that is the same on every context (e.g. after ``psum``). The contexts must be distinct
+    devices of one kind, as for pmap.
+
+    The mapped function works inside ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (``vmap`` maps
+    over another axis of the arguments; each call still takes one slice per context).
 
     >>> import mgkit as mg, numpy as np, jax
     >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
@@ -1017,23 +868,64 @@ def pmap(
                 f"exactly one slice per context (use mg.parallel to split a batch of any size)"
             )
         placed = place_spmd(batch, targets, (1,) * k, axis_name)
-        program = _PROGRAMS.get(
-            ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices),
-            lambda: _pmap_program(fn, batch, out_axes, targets, axis_name),
+        traced = is_abstract(batch.leaves)
+        program = programs.get(
+            ("pmap", fn, axis_name, batch.treedef, batch.axes, _hashable(out_axes), targets.devices, traced),
+            lambda: _pmap_program(fn, batch, out_axes, targets, axis_name, traced),
         )
         start, t0 = time.time(), time.perf_counter()
-        out = _explained(program, *placed)
-        if not _is_abstract(batch.leaves):
+        try:
+            out = explained(program, *placed)
+        except (AssertionError, NameError) as e:
+            better = _unbound_axis(fn, batch, axis_name)
+            if better is None:
+                raise
+            raise better from e
+        if not traced:
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
-            events = _run_events(targets, (1,) * k, fn, "pmap", start, k)
-            ledger().record_when_ready(events, [concrete(x) for x in jax.tree_util.tree_leaves(out)], t0)
+            record_run(targets, (1,) * k, fn, "pmap", start, k, out, t0)
         return out
 
     return mapped
 
 
-def _pmap_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, axis_name: str) -> Callable:
+_UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
+
+
+def _unbound_axis(fn: Callable, batch: Batch, axis_name: str) -> ValueError | None:
+    """The error for a function whose collectives name an axis other than ``axis_name`` (JAX's
+    own is an empty AssertionError from inside shard_map), else None. ``jax.vmap`` binds only
+    ``axis_name`` and names the first other axis the function uses."""
+
+    def flat(*leaves):
+        args, kwargs = jax.tree_util.tree_unflatten(batch.treedef, leaves)
+        return fn(*args, **kwargs)
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in batch.leaves]
+    try:
+        jax.eval_shape(jax.vmap(flat, in_axes=batch.axes, axis_name=axis_name), *shapes)
+    except NameError as e:
+        found = _UNBOUND.search(str(e))
+        if found is None:
+            return None
+        used = found.group(1)
+        return ValueError(
+            f"pmap: axis_name={axis_name!r} was given, but {fn_name(fn)} uses a collective over the axis "
+            f"{used!r}, which is not bound; pass axis_name={used!r} to mg.pmap, or name {axis_name!r} in "
+            f"{fn_name(fn)}'s collectives (e.g. jax.lax.psum(x, {axis_name!r}))"
+        )
+    except Exception:  # noqa: BLE001 - the diagnosis failed another way: keep JAX's error
+        return None
+    return None
+
+
+def _pmap_program(
+    fn: Callable, batch: Batch, out_axes: Any, targets: Targets, axis_name: str, traced: bool
+) -> Callable:
+    """jit(shard_map) of ``fn`` over one slice per device; ``traced``: for a call inside another
+    transformation (``vmap`` adds axes that fixed input shardings would not have)."""
+
     def body(*leaves):
         leaves = [x if ax is None else jnp.squeeze(x, ax) for x, ax in zip(leaves, batch.axes, strict=True)]
         args, kwargs = jax.tree_util.tree_unflatten(batch.treedef, leaves)
@@ -1048,16 +940,16 @@ def _pmap_program(fn: Callable, batch: Batch, out_axes: Any, targets: Targets, a
         stacked = [x if ax is None else jnp.expand_dims(x, ax) for x, ax in zip(flat, axes, strict=True)]
         return jax.tree_util.tree_unflatten(tree, stacked)
 
-    in_specs = tuple(P() if ax is None else P(*([None] * ax), axis_name) for ax in batch.axes)
-    return jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh(targets.devices, axis_name),
-            in_specs=in_specs,
-            out_specs=_out_specs(out_axes, axis_name),
-        ),
-        in_shardings=tuple(_sharding(targets.devices, axis_name, ax) for ax in batch.axes),
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh(targets.devices, axis_name),
+        in_specs=tuple(spec(ax, axis_name) for ax in batch.axes),
+        out_specs=_out_specs(out_axes, axis_name),
+        check_vma=False,  # jax.pmap's semantics: no varying/invariant types (issue 19)
     )
+    if traced:
+        return jax.jit(mapped)
+    return jax.jit(mapped, in_shardings=tuple(sharding(targets.devices, axis_name, ax) for ax in batch.axes))
 
 
 def run_each(tasks: Mapping[str, Any]) -> dict[str, Any]:
@@ -1112,7 +1004,7 @@ def run_each(tasks: Mapping[str, Any]) -> dict[str, Any]:
     for ctx, name, device, fn, out, start, t0 in running:
         out = jax.block_until_ready(out)
         dev = _devices.short_name(device)
-        info = {"fn": _fn_name(fn), "path": "run_each"}
+        info = {"fn": fn_name(fn), "path": "run_each"}
         ledger().record(Event("run", name, name, dev, dev, 0, start, time.perf_counter() - t0, label, info))
         results[ctx] = out
     return results
@@ -1126,7 +1018,7 @@ def _task(ctx: Any, task: Any) -> tuple[Callable, tuple, dict]:
         if not isinstance(args, tuple | list):
             raise TypeError(
                 f"run_each: the arguments for context {ctx!r} must be a tuple, got {type(args).__name__}; "
-                f"write ({_fn_name(fn)}, (x,)) for one argument"
+                f"write ({fn_name(fn)}, (x,)) for one argument"
             )
         if not isinstance(kwargs, Mapping):
             raise TypeError(f"run_each: the keyword arguments for context {ctx!r} must be a dict")

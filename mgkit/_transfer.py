@@ -62,7 +62,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _source(leaf: Any) -> tuple[str, str, frozenset | None]:
+def source(leaf: Any) -> tuple[str, str, frozenset | None]:
     """(context name, device name, devices) for a leaf; host memory for numpy and numbers."""
     if isinstance(leaf, jax.Array):
         devs = leaf.devices()
@@ -224,7 +224,7 @@ def place(
         if value is None:  # traced: the copy happens when the compiled program runs
             groups.setdefault(("", ""), []).append(i)
             continue
-        src_name, src_dev, src_devices = _source(value)
+        src_name, src_dev, src_devices = source(value)
         if device is None and src_devices is None:
             out[i] = np.asarray(value)  # already host memory
             continue
@@ -331,7 +331,7 @@ def where(tree: Any) -> str | dict:
     """The context a pytree lives on: one name when every leaf is on the same context, else a
     dict leaf path -> context name (``host`` for numpy)."""
     leaves, _ = leaves_of(tree, "where")
-    names = [_source(leaf)[0] for leaf in leaves]
+    names = [source(leaf)[0] for leaf in leaves]
     if len(set(names)) == 1:
         return names[0]
     return dict(zip(_paths(tree), names, strict=True))

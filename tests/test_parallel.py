@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
-from mgkit import _parallel
+from mgkit import _parallel, _spmd
 
 N = 8  # contexts dev0..dev7 (conftest)
 SIZES = [0, 1, N - 1, N, N + 1, 5 * N - 1, 5 * N + 1]
@@ -65,9 +65,9 @@ def test_split_along_another_axis_and_concat_back():
 
 
 def test_weights_use_largest_remainder_and_the_ledger_reports_sizes():
-    assert _parallel.shares(10, 3, (1.0, 1.0, 1.0)) == (4, 3, 3)
-    assert _parallel.shares(7, 3, (2.0, 2.0, 3.0)) == (2, 2, 3)
-    assert _parallel.shares(5, 2, (0.0, 1.0)) == (0, 5)
+    assert _spmd.shares(10, 3, (1.0, 1.0, 1.0)) == (4, 3, 3)
+    assert _spmd.shares(7, 3, (2.0, 2.0, 3.0)) == (2, 2, 3)
+    assert _spmd.shares(5, 2, (0.0, 1.0)) == (0, 5)
     parts = mg.split(np.arange(100), contexts=["dev0", "dev1", "dev2"], weights=[3, 1, 1])
     assert [len(p) for p in parts.values()] == [60, 20, 20]
     rows = {e.dst: e.info["rows"] for e in mg.ledger().records("split")}
@@ -130,15 +130,15 @@ def test_spmd_path_compiles_once_and_leaves_the_result_sharded():
     for _ in range(3):
         out = f(np.ones((16, 4), np.float32))
     assert mg.where(out) == "+".join(f"dev{i}" for i in range(N))
-    programs = [v for k, v in _parallel._PROGRAMS._items.items() if k[0] == "spmd" and k[1] is f.fn]
+    programs = [v for k, v in _spmd.programs.items() if k[0] == "spmd" and k[1] is f.fn]
     assert len(programs) == 1 and programs[0]._cache_size() == 1
     runs = mg.ledger().records("run")
     assert {e.info["path"] for e in runs} == {"spmd"} and len(runs) == 3 * N
 
 
 def test_inputs_with_the_right_sharding_are_not_moved_again():
-    mesh = _parallel.mesh(tuple(mg.context_map().devices().values()))
-    x = jax.device_put(np.ones((16, 3), np.float32), NamedSharding(mesh, P(_parallel.AXIS)))
+    mesh = _spmd.mesh(tuple(mg.context_map().devices().values()))
+    x = jax.device_put(np.ones((16, 3), np.float32), NamedSharding(mesh, P(_spmd.AXIS)))
     mg.ledger().clear()
     out = mg.make_parallel(lambda x: x + 1, x=x)
     assert mg.ledger().records("split") == []
@@ -165,8 +165,8 @@ def test_inputs_sharded_on_a_make_mesh_mesh_are_taken_without_a_copy(axis):
 def test_large_host_inputs_for_cpu_devices_go_through_a_private_copy(contexts, monkeypatch):
     mg.use_contexts(contexts, verbose=False)
     staged = []
-    copy = _parallel.private_copy
-    monkeypatch.setattr(_parallel, "private_copy", lambda v: staged.append(v.nbytes) or copy(v))
+    copy = _spmd.private
+    monkeypatch.setattr(_spmd, "private", lambda vs: staged.extend(v.nbytes for v in vs) or copy(vs))
     x = np.arange(4352 * 1024 * 2, dtype=np.float32).reshape(-1, 1024)  # 34 MiB: parts of 17 or 34
     out = mg.make_parallel(lambda v: v + 1, v=x)
     np.testing.assert_array_equal(np.asarray(out), x + 1)
@@ -189,6 +189,35 @@ def test_a_host_split_is_timed_by_its_copy_not_by_the_program_it_feeds():
     splits = mg.ledger().records("split")
     assert len(splits) == N and sum(e.nbytes for e in splits) == 16 * 4 * 4
     assert max(e.seconds for e in splits) < run.seconds / 4
+
+
+def test_a_call_laid_out_like_one_before_does_and_records_the_same(monkeypatch):
+    # the second call runs the plan the first one left (_parallel._Plan): same results, events
+    def f(w, x):
+        return x * w
+
+    g = mg.parallel(f, in_axes=(None, 0))
+    w, x = np.float32(2), np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    wv = np.full((3,), 2, np.float32)
+    first = g(wv, x)
+    before = [e._replace(start=0, seconds=0) for e in mg.ledger().records()]
+    mg.ledger().clear()
+    copies = []
+    real = _spmd.private
+    monkeypatch.setattr(_spmd, "private", lambda vs: copies.extend(v.nbytes for v in vs) or real(vs))
+    x2 = x + 1
+    second = g(wv, x2)
+    assert copies == [wv.nbytes, x2.nbytes]  # never the caller's memory on this path either
+    after = [e._replace(start=0, seconds=0) for e in mg.ledger().records()]
+    assert after == before and {e.kind for e in after} == {"split", "replicate", "run"}
+    assert sum(e.nbytes for e in after if e.kind == "split") == x.nbytes
+    np.testing.assert_array_equal(np.asarray(first), x * w)
+    np.testing.assert_array_equal(np.asarray(second), x2 * w)  # new values, not a cached result
+    assert mg.where(second) == "+".join(f"dev{i}" for i in range(N))
+    mg.use_contexts("p->cpu5;q->cpu6", verbose=False)  # another map: its own plan
+    third = g(wv, x)
+    assert mg.where(third) == "p+q"
+    assert {e.dst for e in mg.ledger().records("split")} >= {"p", "q"}
 
 
 def test_uneven_spmd_batch_is_gathered_on_the_first_context():
@@ -253,6 +282,13 @@ def test_parallel_inside_jit_on_the_spmd_path():
     mg.use_contexts(SHARED, verbose=False)
     with pytest.raises(TypeError, match=r"one program per context.*cannot be traced inside jax.jit"):
         f(np.ones(10, np.float32))
+
+
+def test_parallel_under_vmap_on_the_spmd_path():
+    f = mg.parallel(lambda w, x: x * w, in_axes=(None, 0))
+    x = np.arange(3 * 16 * 2, dtype=np.float32).reshape(3, 16, 2)
+    got = jax.vmap(f, in_axes=(None, 0))(np.float32(2), x)
+    np.testing.assert_array_equal(np.asarray(got), x * 2)
 
 
 def test_an_error_inside_fn_names_the_context():
@@ -407,7 +443,7 @@ def test_balance_measured_times_each_context_once_and_splits_by_speed():
     mg.ledger().clear()
     out = f(x)
     np.testing.assert_allclose(np.asarray(out), np.tanh(x @ w).sum(1), rtol=1e-5)
-    want = _parallel.shares(64, 2, (speeds["dev0"], speeds["dev1"]))
+    want = _spmd.shares(64, 2, (speeds["dev0"], speeds["dev1"]))
     got = tuple(e.info["rows"] for e in mg.ledger().records("split"))
     assert got == tuple(s for s in want if s)
     assert f.speeds(np.ones((32, 16), np.float32)) is not speeds  # another shape: measured again
@@ -425,8 +461,33 @@ BAD = [
     (
         lambda: mg.make_parallel(lambda a: a, a=np.float32(3)),
         ValueError,
-        r"argument 'a' is a scalar \(shape \(\)\).*8 context.*in_axes=None",
+        r"make_parallel: argument 'a' is a scalar \(shape \(\)\).*8 context.*make_parallel splits every "
+        r"keyword argument along axis 0, so close over a value .*in_axes=\(0, None\)",
     ),
+    (
+        lambda: mg.parallel(lambda a: a)(np.float32(3)),
+        ValueError,
+        r"parallel: argument 'a' is a scalar \(shape \(\)\).*in_axes=None",
+    ),
+    (
+        lambda: mg.make_parallel(lambda a: a, a=None),
+        ValueError,
+        r"make_parallel: a=None holds no array to split",
+    ),
+    (
+        lambda: mg.make_parallel(lambda a, b: a, a=None, b=()),
+        ValueError,
+        r"make_parallel: a=None, b=\(\) hold no array .*pass arrays, e.g. mg.make_parallel\(f, x=",
+    ),
+    (lambda: mg.make_parallel("f", a=np.ones(3)), TypeError, r"make_parallel: fn must be callable, got str"),
+    (
+        lambda: mg.split(np.ones(4), axis=None),
+        TypeError,
+        r"split: axis=None; give the int axis to cut every leaf along, e.g. axis=0",
+    ),
+    (lambda: mg.split(np.ones(4), axis=True), TypeError, r"split: axis=True; give the int axis"),
+    (lambda: mg.split({"x": None}), ValueError, r"split: the tree holds no array to split"),
+    (lambda: mg.parallel(lambda a: a)(None), ValueError, r"parallel: the arguments hold no array to split"),
     (
         lambda: mg.make_parallel(lambda a: a, a=["x", "y"]),
         TypeError,
@@ -474,6 +535,12 @@ BAD = [
         lambda: mg.make_parallel(lambda a: a[:1], a=np.ones((16, 3))),
         ValueError,
         r"returned shape \(1, 3\) for its output on a part of 2 rows",
+    ),
+    (
+        lambda: mg.make_parallel(lambda a: a.sum(), a=np.ones((16, 3))),
+        ValueError,
+        r"make_parallel: <lambda> returned a scalar .*pass out_axes=None to mg.parallel \(make_parallel "
+        r"concatenates every output along axis 0\)",
     ),
     (
         lambda: mg.split(np.ones((4, 2)), axis=2),

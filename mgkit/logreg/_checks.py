@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _parallel
+from .. import _spmd
 from .._contexts import HOST
-from .._parallel import Targets
+from .._spmd import Targets
 from .._transfer import place
 from ._model import Model
 
@@ -248,7 +248,7 @@ def private(value: Any, targets: Targets, where: str, what: str) -> list:
     """A value shared by every context, or a {context: value} mapping of private ones."""
     if not isinstance(value, Mapping):
         return [value] * len(targets.names)
-    return _parallel.per_context(value, targets, f"{what}= as a mapping", where)
+    return _spmd.per_context(value, targets, f"{what}= as a mapping", where)
 
 
 def row_sets(rows: Any, n: int, where: str) -> np.ndarray:

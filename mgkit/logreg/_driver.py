@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .. import _devices, _progress
-from .._parallel import Targets
+from .._spmd import Targets
 from ._checks import check_finite
 from ._model import ConvergenceWarning
 from ._programs import mapped_program

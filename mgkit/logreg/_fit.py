@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _contexts, _devices, _parallel
-from .._parallel import Batch, Targets
+from .. import _contexts, _devices, _spmd
+from .._spmd import Batch, Targets
 from .._transfer import place, staged
 from ._checks import (
     check_X,
@@ -91,7 +91,7 @@ def fit(
     """
     where = "logreg.fit"
     opts = options(solver, max_iter, tol, learning_rate, progress, where)
-    targets = _parallel.resolve(contexts, where)
+    targets = _spmd.resolve(contexts, where)
     X = check_X(X, where)
     n, d = X.shape
     y_idx, classes = encode(y, n, where)
@@ -116,7 +116,7 @@ def fit(
     targets = Targets(tuple(first.values()), devices, True)
     k = len(devices)
     spec = make_spec(opts, d, c, devices[0].platform, True, rows=-(-n // k), models=1, held=n)
-    sizes = _parallel.shares(n, k)
+    sizes = _spmd.shares(n, k)
     dtype = float_dtype()
     run = progress_run("logreg.fit", targets, sizes, [1] * k, spec)
     padded = len(set(sizes)) > 1
@@ -137,11 +137,11 @@ def fit(
         [parts[nm][0] for nm in names], None, tuple(parts[nm][1] for nm in names), n, _names(*names)
     )
     # one placement; the arrays made here (all but X) need no private copies
-    placed = _parallel.place_spmd(batch, targets, sizes, own=range(1, len(names)))
+    placed = _spmd.place_spmd(batch, targets, sizes, own=range(1, len(names)))
     got = dict(zip(names, placed, strict=True))
     if padded:  # padding rows repeat a real row: zero their weight
         keep = np.zeros((k * max(sizes), 1), dtype)
-        keep[_parallel._padding(sizes)[1]] = 1
+        keep[_spmd.padding(sizes)[1]] = 1
         got["sample_weight"] = got["sample_weight"] * keep
     placed = [got.get(nm) for nm in ("X", "y", "sample_weight", "init w", "init b", "l2")]
     args = (*placed, *scalar_args(opts, dtype, devices))
@@ -198,7 +198,7 @@ def fit_per_device(
     where = "logreg.fit_per_device"
     opts = options(solver, max_iter, tol, learning_rate, progress, where)
     if callable(data) and not isinstance(data, Mapping):
-        targets = _parallel.resolve(contexts, where)
+        targets = _spmd.resolve(contexts, where)
         made = {}
         for name in targets.names:
             with _contexts.on(name):
@@ -211,7 +211,7 @@ def fit_per_device(
             raise ValueError(
                 f"{where}: no data; pass {{context: (X, y), ...}} or a function context -> (X, y)"
             )
-        targets = _parallel.resolve(list(data), where)
+        targets = _spmd.resolve(list(data), where)
         source = "the data for context {!r} is"
     else:
         raise TypeError(
@@ -289,12 +289,12 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, dtype) -> Jo
             staged([X for X, _, _ in parts], targets.devices), targets.names, targets.devices, strict=True
         )
     ]
-    sharding = jax.sharding.NamedSharding(_parallel.mesh(targets.devices), ROWS)
+    sharding = jax.sharding.NamedSharding(_spmd.mesh(targets.devices), ROWS)
     X = jax.make_array_from_single_device_arrays((k * n, Xs[0].shape[1]), sharding, Xs)
     # Made here, never the caller's: no private copy. Row weights (all one) and a start from
     # zeros are made on the devices.
     rows = per_device_rows(parts, penalties, starts, dtype)
-    (rows,) = _parallel.place_spmd(
+    (rows,) = _spmd.place_spmd(
         Batch([rows], None, (0,), len(rows), _names("labels, l2 and start")),
         targets,
         (len(rows) // k,) * k,
@@ -367,7 +367,7 @@ def fit_many(
     """
     where = "logreg.fit_many"
     opts = options(solver, max_iter, tol, learning_rate, progress, where)
-    targets = _parallel.resolve(contexts, where)
+    targets = _spmd.resolve(contexts, where)
     X = check_X(X, where)
     n, d = X.shape
     y_idx, classes = encode(y, n, where)
@@ -413,7 +413,7 @@ def fit_many(
         # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
         # simulated device; L-BFGS needs no factorisation.
         spec = make_spec(opts._replace(solver="lbfgs"), d, c, platform, False, n, per, n * used)
-    chunks = [per] * used if targets.spmd else list(_parallel.shares(k_models, used))
+    chunks = [per] * used if targets.spmd else list(_spmd.shares(k_models, used))
     padded = sum(chunks)
     order = list(range(k_models)) + [k_models - 1] * (padded - k_models)  # repeats the last model
     pen = np.asarray([penalties[i] for i in order], dtype)
@@ -430,7 +430,7 @@ def fit_many(
                 padded,
                 _names("X", "y", "rows", "init w", "init b", "l2"),
             )
-            placed = _parallel.place_spmd(batch, targets, tuple(chunks))
+            placed = _spmd.place_spmd(batch, targets, tuple(chunks))
             omega_spec = REPL if counts is None else MODELS
             devices = targets.devices
             args = (*placed, *scalar_args(opts, dtype, devices))

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .. import _parallel
-from .._parallel import AXIS
+from .. import _spmd
+from .._spmd import AXIS
 from ._checks import Options, float_dtype
 from ._results import Fit
 from ._solver import BACKTRACKS, Spec, solve
@@ -37,7 +37,7 @@ _SHORT_SUM = 16384  # terms (rows per device, or parameters per model) of a sum 
 
 def local_program(spec: Spec) -> Callable:
     """One device, M models: ``solve`` compiled (a resumed call passes the state last)."""
-    return _parallel._PROGRAMS.get(
+    return _spmd.programs.get(
         ("logreg", spec),
         lambda: jax.jit(functools.partial(solve, spec), compiler_options=_compiler_options(spec)),
     )
@@ -55,7 +55,7 @@ def per_device_program(spec: Spec, stacked: bool) -> Callable:
         X, y = (jnp.stack(X), y) if stacked else (X, y[:, 0])
         return solve(spec._replace(stacked=stacked), X, y, None, W0, b0, l2, tol, lr, *resume)
 
-    return _parallel._PROGRAMS.get(
+    return _spmd.programs.get(
         ("logreg", "per device", spec, stacked),
         lambda: jax.jit(program, compiler_options=_compiler_options(spec)),
     )
@@ -115,7 +115,7 @@ def mapped_program(
             y, l2, W0, b0 = _unrows(rows[None], *X.shape, spec.c)
             return body(X, y[:, 0], None, W0, b0, l2, tol, lr, *resumed)
 
-        mesh = _parallel.mesh(devices)
+        mesh = _spmd.mesh(devices)
         program = jax.shard_map(
             per_device if layout == "devices" else body,
             mesh=mesh,
@@ -124,11 +124,11 @@ def mapped_program(
             check_vma=False,
         )
         shardings = [jax.sharding.NamedSharding(mesh, s) for s in in_specs]
-        shardings += [_parallel._sharding(devices, AXIS, None) for _ in scalar]
+        shardings += [_spmd.sharding(devices, AXIS, None) for _ in scalar]
         shardings += [jax.sharding.NamedSharding(mesh, s) for s in state]
         return jax.jit(program, in_shardings=tuple(shardings), compiler_options=_compiler_options(spec))
 
-    return _parallel._PROGRAMS.get(key, build)
+    return _spmd.programs.get(key, build)
 
 
 # -- checking inputs -----------------------------------------------------------------------
@@ -211,9 +211,9 @@ def scalar_args(opts: Options, dtype, devices: tuple = ()) -> tuple:
     return tuple(_replicated(float(v), name, devices) for v in (opts.tol, opts.learning_rate))
 
 
-@functools.lru_cache(maxsize=64)
+@_spmd.cached(64)
 def _replicated(value: float, dtype: str, devices: tuple) -> jax.Array:
-    return jax.device_put(np.asarray(value, dtype), _parallel._sharding(devices, AXIS, None))
+    return jax.device_put(np.asarray(value, dtype), _spmd.sharding(devices, AXIS, None))
 
 
 # -- fit: one model, data-parallel ---------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._parallel import AXIS
+from .._spmd import AXIS
 from ._results import INT_OF, Fit, pack_facts
 
 HI = jax.lax.Precision.HIGHEST
