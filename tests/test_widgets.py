@@ -308,7 +308,8 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
 
 def test_throughput_view_sums_events_that_come_faster_than_it_can_show():
     led = Ledger()
-    now = float(int(time.time())) + 0.02  # a whole second and a bit: the burst ends in one tenth
+    # long ago (no compilation recorded then), a whole second and a bit: the burst ends in one tenth
+    now = 1_600_000_000.02
     # 40 calls within one tenth of a second, then 30 steps of a fit, one a second
     burst = [_run("dev0", rows=10 + i, seconds=0.001)._replace(start=now + 0.0001 * i) for i in range(40)]
     steps = [
