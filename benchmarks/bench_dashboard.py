@@ -13,7 +13,10 @@ view and with an ``mg.Dashboard`` attached (a widget, refreshed live by its back
 as in a notebook: values set, plots drawn to PNG), in ABBA order so drift in machine speed hits
 both alike. It prints iterations per second (medians, quartiles), the ratio of the medians and
 the median of the paired ratios (with / without; goal >= 0.95), and the events per second the
-loop recorded.
+loop recorded. On a shared machine wall time swings with other people's work, so it also prints
+the CPU seconds per iteration this process used, and those of the loop's own thread, with and
+without (paired, without / with): the dashboard's own cost, which other processes' load
+stretches less.
 
 Part 2 (load). For ``--load-seconds`` a loop computes (the same matmul step) while recording
 ``--load-rate`` ledger events per second (a mix of transfer, step and run events) with a
@@ -116,19 +119,23 @@ def _workload(names: list[str]):
     return once
 
 
-def _block(once, seconds: float) -> tuple[float, int]:
-    """Iterations per second over a block of ``seconds``, and the events recorded meanwhile."""
+def _block(once, seconds: float) -> tuple[float, int, float, float]:
+    """Iterations per second over a block of ``seconds``, the events recorded meanwhile, the
+    CPU seconds per iteration this process used (every thread: the loop, XLA's workers, the
+    views' refresh thread), and those of the loop's own thread (its Python work, with the
+    ledger's subscribers)."""
     led = mg.ledger()
     before = sum(r[3] for r in led.summary().rows())
     gc.collect()
-    n, t0 = 0, time.perf_counter()
+    n, t0, cpu0, own0 = 0, time.perf_counter(), time.process_time(), time.thread_time()
     end = t0 + seconds
     while time.perf_counter() < end:
         once()
         n += 1
     elapsed = time.perf_counter() - t0
+    cpu, own = (time.process_time() - cpu0) / n, (time.thread_time() - own0) / n
     led.flush()
-    return n / elapsed, sum(r[3] for r in led.summary().rows()) - before
+    return n / elapsed, sum(r[3] for r in led.summary().rows()) - before, cpu, own
 
 
 def speed(args: argparse.Namespace, names: list[str]) -> None:
@@ -137,6 +144,10 @@ def speed(args: argparse.Namespace, names: list[str]) -> None:
         once()
     without: list[float] = []
     with_dash: list[float] = []
+    cpu_without: list[float] = []
+    cpu_with: list[float] = []
+    own_without: list[float] = []
+    own_with: list[float] = []
     events_per_s: list[float] = []
     updates: list[float] = []
     redraws: list[float] = []
@@ -146,7 +157,9 @@ def speed(args: argparse.Namespace, names: list[str]) -> None:
         dash = mg.Dashboard(widget=True)
         cpu0 = _views_thread_cpu()
         try:
-            rate, events = _block(once, args.block)
+            rate, events, cpu, own = _block(once, args.block)
+            cpu_with.append(cpu)
+            own_with.append(own)
             thread_cpu.append((_views_thread_cpu() - cpu0) / args.block)
         finally:
             dash.close()
@@ -161,7 +174,10 @@ def speed(args: argparse.Namespace, names: list[str]) -> None:
             if dash:
                 with_dash.append(attached())
             else:
-                without.append(_block(once, args.block)[0])
+                rate, _, cpu, own = _block(once, args.block)
+                without.append(rate)
+                cpu_without.append(cpu)
+                own_without.append(own)
             mg.ledger().clear()
     paired = [a / b for a, b in zip(with_dash, without, strict=True)]
     q_with, q_without, q_pair = quartiles(with_dash), quartiles(without), quartiles(paired)
@@ -178,6 +194,21 @@ def speed(args: argparse.Namespace, names: list[str]) -> None:
         f"  with / without: ratio of medians {ratio:.3f}, median paired ratio {median(paired):.3f} "
         f"(quartiles {q_pair[0]:.3f} .. {q_pair[1]:.3f}); goal >= {GOAL} -> "
         f"{'met' if ratio >= GOAL else 'NOT met'}"
+    )
+    cpu_paired = [b / a for a, b in zip(cpu_with, cpu_without, strict=True)]
+    q_cpu = quartiles(cpu_paired)
+    print(
+        f"  CPU per iteration (this process, every thread): {1e6 * median(cpu_without):.0f} us without, "
+        f"{1e6 * median(cpu_with):.0f} us with; without / with: median paired {median(cpu_paired):.3f} "
+        f"(quartiles {q_cpu[0]:.3f} .. {q_cpu[1]:.3f}): CPU time is not stretched by other processes' "
+        "load the way wall time is"
+    )
+    own_paired = [b / a for a, b in zip(own_with, own_without, strict=True)]
+    q_own = quartiles(own_paired)
+    print(
+        f"  CPU per iteration of the loop's own thread: {1e6 * median(own_without):.0f} us without, "
+        f"{1e6 * median(own_with):.0f} us with; without / with: median paired {median(own_paired):.3f} "
+        f"(quartiles {q_own[0]:.3f} .. {q_own[1]:.3f})"
     )
 
 

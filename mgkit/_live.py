@@ -15,7 +15,8 @@ sleeps at least ``c / THREAD_SHARE`` seconds, so however many events arrive and 
 views there are, it takes at most ~1 % of a core (and of the GIL) from the work it watches;
 under a heavy stream of events the views refresh less often, never the work more slowly. Costs
 are the thread's own CPU time (``time.thread_time``), not wall time: on a busy machine a round
-that waited for a core or for the GIL is not charged for the wait.
+that waited for a core or for the GIL is not charged for the wait; and where the process gets
+less than a core (a machine busy with other work), the budget is that share of what it gets.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ BUFFER = 10_000  # events a view holds between two refreshes, at most
 DRAW_SHARE = 0.003  # share of the wall time each picture may take to draw
 PICTURE_RATE = 4.0  # picture redraws per second, at most
 TICK = 0.05  # seconds between the refresh thread's looks at its views
-THREAD_SHARE = 0.01  # share of the wall time the refresh thread may take, all views together
+THREAD_SHARE = 0.01  # share of a core (or of the process's CPU) the refresh thread may take
+MIN_CORES = 0.1  # below this share of a core the process gets, the budget stops shrinking
 
 
 def check_count(value: Any, name: str, where: str, lo: int, hi: int, example: int) -> int:
@@ -230,6 +232,7 @@ class Refresher:
         return changed
 
     def _run(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
         while True:
             with self._lock:
                 if not self._views:
@@ -242,7 +245,17 @@ class Refresher:
                 return
             cost = time.thread_time() - t0
             self.busy += cost
-            time.sleep(max(self.period, cost / self.share))
+            time.sleep(self.pause(cost, time.perf_counter() - wall, time.process_time() - cpu))
+            wall, cpu = time.perf_counter(), time.process_time()
+
+    def pause(self, cost: float, wall: float, cpu: float) -> float:
+        """Seconds to sleep after a round that used ``cost`` seconds of the thread's CPU time,
+        when the process used ``cpu`` seconds of CPU time over the last ``wall`` seconds: the
+        round's cost over the budget, a share of one core, or of the cores the process got when
+        that was less than one (a machine busy with other work gives it less: the views then
+        take a share of what the work gets, not of a core it never had)."""
+        cores = min(max(cpu / wall if wall > 0 else 1.0, MIN_CORES), 1.0)
+        return max(self.period, cost / (self.share * cores))
 
 
 REFRESHER = Refresher()

@@ -308,7 +308,8 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
 
 def test_throughput_view_sums_events_that_come_faster_than_it_can_show():
     led = Ledger()
-    now = float(int(time.time())) + 0.02  # a whole second and a bit: the burst ends in one tenth
+    # long ago (no compilation recorded then), a whole second and a bit: the burst ends in one tenth
+    now = 1_600_000_000.02
     # 40 calls within one tenth of a second, then 30 steps of a fit, one a second
     burst = [_run("dev0", rows=10 + i, seconds=0.001)._replace(start=now + 0.0001 * i) for i in range(40)]
     steps = [
@@ -482,6 +483,27 @@ def test_a_view_that_fails_to_refresh_is_logged_once_and_others_go_on(caplog, mo
     assert [r.message for r in caplog.records] == [
         "mgkit: refreshing TransferView failed; it keeps its last values"
     ]
+
+
+def test_the_refresh_thread_keeps_to_its_budget():
+    refresher = _live.Refresher(period=0.05, share=0.01)
+    # a round that used 2 ms of CPU: 0.2 s of sleep while the process has a core or more
+    assert refresher.pause(0.002, wall=1.0, cpu=1.9) == pytest.approx(0.2)
+    assert refresher.pause(0.002, wall=1.0, cpu=0.5) == pytest.approx(0.4)  # half a core: half the pace
+    assert refresher.pause(0.002, wall=1.0, cpu=0.0) == pytest.approx(2.0)  # at most 10x slower
+    assert refresher.pause(0.0001, wall=1.0, cpu=1.0) == 0.05  # cheap rounds: at the period
+
+
+def test_a_shared_reading_is_taken_at_most_once_a_period_and_within_its_share():
+    calls = []
+
+    def reading():
+        calls.append(1)
+        return len(calls)
+
+    once = _live.Throttled(reading, period=30.0, share=0.01)
+    assert [once(), once(), once()] == [1, 1, 1] and once.readings == 1  # the last value between
+    assert once(fresh=True) == 2 and once() == 2  # fresh: a new reading, kept for the next ones
 
 
 def test_a_raising_subscriber_is_logged_and_the_views_keep_working(caplog):
