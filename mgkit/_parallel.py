@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _contexts, _devices, _spmd
+from . import _contexts, _spmd
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
 from ._spmd import (
@@ -55,7 +55,7 @@ from ._spmd import (
     spmd_layout,
     trim,
 )
-from ._transfer import leaves_of, place, target
+from ._transfer import leaves_of, place
 
 _REDUCE_HINT = (
     "For a reduction over the whole batch, reduce after the call (e.g. out.mean()) or use "
@@ -263,10 +263,10 @@ def split(tree: Any, contexts: Any = None, axis: int = 0, weights: Any = None) -
     sizes = shares(batch.n, len(targets.names), check_weights(weights, targets, "split"))
     parts: dict[str, Any] = {}
     start = 0
-    for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
+    for ctx, size in zip(targets.contexts, sizes, strict=True):
         cut = [_slice(leaf, start, size, ax) for leaf, ax in zip(batch.leaves, batch.axes, strict=True)]
         info = {"rows": size, "of": batch.n, "axis": axis}
-        parts[name] = jax.tree_util.tree_unflatten(batch.treedef, place(cut, name, device, "split", info))
+        parts[ctx.name] = jax.tree_util.tree_unflatten(batch.treedef, place(cut, ctx, "split", info))
         start += size
     return parts
 
@@ -307,7 +307,7 @@ def concat(parts: Mapping[str, Any] | Sequence[Any], to: Any = None, axis: int =
         raise ValueError("concat: no parts to concatenate; pass the mapping mg.split returned")
     if to is None:
         to = default if isinstance(default, str) else _first_context(trees[0])
-    name, device = target(to, "concat")
+    dest = _contexts.resolve(to, "concat")
     flat = [leaves_of(t, "concat") for t in trees]
     treedef = flat[0][1]
     for label, (_, td) in zip(labels[1:], flat[1:], strict=True):
@@ -319,8 +319,8 @@ def concat(parts: Mapping[str, Any] | Sequence[Any], to: Any = None, axis: int =
     columns = list(zip(*(leaves for leaves, _ in flat), strict=True)) if treedef.num_leaves else []
     for j, column in enumerate(columns):
         _check_column(column, labels, axis, lambda j=j: _tree_leaf_name(trees[0], j))
-    moved = [place(leaves, name, device, "concat", {"axis": axis}) for leaves, _ in flat]
-    join = np.concatenate if device is None else jnp.concatenate
+    moved = [place(leaves, dest, "concat", {"axis": axis}) for leaves, _ in flat]
+    join = np.concatenate if dest.device is None else jnp.concatenate
     out = [join([m[j] for m in moved], axis=axis) for j in range(len(columns))]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -450,8 +450,8 @@ def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     if not padded and to is None:
         return out
     axes = leaf_axes(out_axes, out, "out_axes", where)
-    name, device = target(targets.names[0] if to is None else to, where)
-    gathered = place(out_leaves, name, device, "gather", {"from": "+".join(targets.names)})
+    dest = targets.contexts[0] if to is None else _contexts.resolve(to, where)
+    gathered = place(out_leaves, dest, "gather", {"from": "+".join(targets.names)})
     trimmed = [
         x if (ax is None or not padded) else trim(x, sizes, ax) for x, ax in zip(gathered, axes, strict=True)
     ]
@@ -468,39 +468,38 @@ def run_dispatch(fn, batch, targets, sizes, out_axes, to, where) -> Any:
         )
     program = _dispatch_program(fn, batch, out_axes, len(targets.names), where)
     active = [i for i, size in enumerate(sizes) if size] or [0]
-    outs, names = [], []
+    outs, ran = [], []
     split_idx = [j for j, ax in enumerate(batch.axes) if ax is not None]
     shared_idx = [j for j, ax in enumerate(batch.axes) if ax is None]
     for i in active:
-        name, device, size = targets.names[i], targets.devices[i], sizes[i]
+        ctx, size = targets.contexts[i], sizes[i]
         start = sum(sizes[:i])
         cut = [_slice(batch.leaves[j], start, size, batch.axes[j]) for j in split_idx]
         info = {"rows": size, "of": batch.n}
         leaves = list(batch.leaves)
-        for j, v in zip(split_idx, place(cut, name, device, "split", info), strict=True):
+        for j, v in zip(split_idx, place(cut, ctx, "split", info), strict=True):
             leaves[j] = v
-        shared = place([batch.leaves[j] for j in shared_idx], name, device, "replicate")
+        shared = place([batch.leaves[j] for j in shared_idx], ctx, "replicate")
         for j, v in zip(shared_idx, shared, strict=True):
             leaves[j] = v
         begin, t0 = time.time(), time.perf_counter()
         try:
             out = explained(program, *leaves)
         except Exception as e:
-            where_run = f"context {name!r} ({_devices.short_name(device)})"
+            where_run = f"context {ctx.name!r} ({ctx.short})"
             e.add_note(f"mgkit: raised while running {fn_name(fn)} on {where_run}")
             raise
-        one = targets._replace(names=(name,), devices=(device,))
-        record_run(one, (size,), fn, "dispatch", begin, batch.n, out, t0)
+        record_run(targets.only(i), (size,), fn, "dispatch", begin, batch.n, out, t0)
         outs.append(out)
-        names.append(name)
+        ran.append(ctx)
     if len(outs) == 1 and to is None:
         return outs[0]
     first = jax.tree_util.tree_flatten(outs[0])
     axes = leaf_axes(out_axes, outs[0], "out_axes", where)
-    gather_name, device = target(names[0] if to is None else to, where)
+    dest = ran[0] if to is None else _contexts.resolve(to, where)
     flat = [jax.tree_util.tree_leaves(o) for o in outs]
-    moved = [place(leaves, gather_name, device, "gather") for leaves in flat]
-    join = np.concatenate if device is None else jnp.concatenate
+    moved = [place(leaves, dest, "gather") for leaves in flat]
+    join = np.concatenate if dest.device is None else jnp.concatenate
     result = [
         m0 if ax is None else join([m[j] for m in moved], axis=ax)
         for j, (m0, ax) in enumerate(zip(moved[0], axes, strict=True))
@@ -717,8 +716,8 @@ class Parallel:
             raise TypeError("parallel: balance='measured' times real calls; call it outside jax.jit first")
         sizes = shares(batch.n, len(targets.names))
         speeds = {}
-        for i, (name, device, size) in enumerate(zip(targets.names, targets.devices, sizes, strict=True)):
-            one = targets._replace(names=(name,), devices=(device,))
+        for i, (name, size) in enumerate(zip(targets.names, sizes, strict=True)):
+            one = targets.only(i)
             start = sum(sizes[:i])
             cut = [
                 x if ax is None else _slice(x, start, size, ax)
@@ -852,9 +851,7 @@ def pmap(
         batch, targets = wrapper._batch(args, kwargs, "pmap")
         k = len(targets.names)
         if not targets.spmd:
-            kinds = ", ".join(
-                f"{n}->{_devices.short_name(d)}" for n, d in zip(targets.names, targets.devices, strict=True)
-            )
+            kinds = ", ".join(f"{c.name}->{c.short}" for c in targets.contexts)
             raise ValueError(
                 f"pmap: its contexts must be distinct devices of one kind, but {kinds} share a device or "
                 "mix kinds; choose such contexts with contexts=[...], or use mg.parallel, which runs on "
@@ -979,33 +976,32 @@ def run_each(tasks: Mapping[str, Any]) -> dict[str, Any]:
     plan = []
     for ctx, task in tasks.items():
         fn, args, kwargs = _task(ctx, task)
-        name, device = target(ctx, "run_each")
-        if device is None:
+        dest = _contexts.resolve(ctx, "run_each")
+        if dest.device is None:
             raise ContextError(
                 f"run_each: {ctx!r} is host memory, not a device context; name a context such as 'dev0'"
             )
-        plan.append((ctx, name, device, fn, args, kwargs))
+        plan.append((ctx, dest, fn, args, kwargs))
     label = execution_label()
     running = []
-    for ctx, name, device, fn, args, kwargs in plan:
+    for ctx, dest, fn, args, kwargs in plan:
         leaves, treedef = leaves_of((args, kwargs), "run_each")
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, place(leaves, name, device, "transfer"))
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, place(leaves, dest, "transfer"))
         start, t0 = time.time(), time.perf_counter()
         try:
-            with _contexts.on(name if isinstance(ctx, str) else device):
+            with _contexts.on(dest.name if isinstance(ctx, str) else dest.device):
                 out = fn(*args, **kwargs)
         except Exception as e:
-            e.add_note(
-                f"mgkit: raised by run_each's function for context {name!r} ({_devices.short_name(device)})"
-            )
+            e.add_note(f"mgkit: raised by run_each's function for context {dest.name!r} ({dest.short})")
             raise
-        running.append((ctx, name, device, fn, out, start, t0))
+        running.append((ctx, dest, fn, out, start, t0))
     results = {}
-    for ctx, name, device, fn, out, start, t0 in running:
+    for ctx, dest, fn, out, start, t0 in running:
         out = jax.block_until_ready(out)
-        dev = _devices.short_name(device)
         info = {"fn": fn_name(fn), "path": "run_each"}
-        ledger().record(Event("run", name, name, dev, dev, 0, start, time.perf_counter() - t0, label, info))
+        seconds = time.perf_counter() - t0
+        head = ("run", dest.name, dest.name, dest.short, dest.short, 0)
+        ledger().record(Event(*head, start, seconds, label, info))
         results[ctx] = out
     return results
 

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _contexts, _devices
-from ._contexts import ContextMap, explain_incompatible
+from ._contexts import Context, ContextMap, explain_incompatible
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger, link_shares
 from ._transfer import private_copies, source
@@ -112,11 +112,26 @@ def clear_caches() -> None:
 
 
 class Targets(NamedTuple):
-    """The contexts a program runs on, resolved against the current map."""
+    """The contexts a program runs on, each resolved once against the current map."""
 
-    names: tuple[str, ...]
-    devices: tuple[jax.Device, ...]
+    contexts: tuple[Context, ...]
     spmd: bool  # distinct devices of one kind: one SPMD program can span them
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.contexts)
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return tuple(c.device for c in self.contexts)
+
+    def only(self, i: int) -> Targets:
+        """The i-th context alone."""
+        return Targets((self.contexts[i],), True)
+
+    def first(self, k: int) -> Targets:
+        """The first k contexts."""
+        return Targets(self.contexts[:k], self.spmd)
 
     def describe(self) -> str:
         return f"{len(self.names)} context(s): {', '.join(self.names)}"
@@ -148,8 +163,7 @@ def resolve(contexts: Any, fn: str) -> Targets:
 @cached(256)
 def _resolve(cmap: ContextMap, spec: Any, fn: str) -> Targets:
     if isinstance(spec, ContextMap):  # a map that is not installed: use its own devices
-        devs = spec.devices()
-        names, devices = tuple(devs), tuple(devs.values())
+        contexts = tuple(Context(name, d, _devices.short_name(d)) for name, d in spec.devices().items())
     else:
         if spec is None:
             names = cmap.names
@@ -167,14 +181,15 @@ def _resolve(cmap: ContextMap, spec: Any, fn: str) -> Targets:
                 f"{fn}: the context list is empty; pass context names such as {list(cmap.names[:2])}, "
                 f"or contexts=None for every context in the map ({cmap})"
             )
-        devices_list = []
-        for name in names:
-            try:
-                devices_list.append(_contexts.device_of(name))
-            except (ContextError, TypeError) as e:
-                raise type(e)(f"{fn}: {e}") from None
-        names = tuple(n if isinstance(n, str) else _contexts.name_of(n) for n in names)
-        devices = tuple(devices_list)
+        contexts = tuple(_contexts.resolve(name, fn) for name in names)
+        host = [c.name for c in contexts if c.device is None]
+        if host:
+            raise ContextError(
+                f"{fn}: {host[0]!r} means host memory, which runs nothing; pass device contexts "
+                f"such as {list(cmap.names[:2])}"
+            )
+    names = tuple(c.name for c in contexts)
+    devices = tuple(c.device for c in contexts)
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(
@@ -182,7 +197,7 @@ def _resolve(cmap: ContextMap, spec: Any, fn: str) -> Targets:
             f"parts on one device, map two names to it, e.g. mg.use_contexts('a->cpu0;b->cpu0')"
         )
     spmd = len(set(devices)) == len(devices) and len({d.platform for d in devices}) == 1
-    return Targets(names, devices, spmd)
+    return Targets(contexts, spmd)
 
 
 def per_context(values: Mapping, targets: Targets, what: str, fn: str) -> list:
@@ -421,13 +436,20 @@ def spmd_layout(moves: list, targets: Targets, sizes: tuple[int, ...]) -> tuple:
         if type(value) is np.ndarray
         else (*_HOST_SOURCE, np.shape(value), _dtype(value), ax)
         if isinstance(value, _HOST_TYPES)
-        else (*source(value), value.shape, value.dtype, ax)
+        else (*_source(value), value.shape, value.dtype, ax)
         for value, ax in moves
     )
     return _spmd_layout(targets, sizes, layout)
 
 
 _HOST_SOURCE = (_contexts.HOST, _contexts.HOST, None)
+
+
+def _source(value: jax.Array) -> tuple[str, str, frozenset | None]:
+    ctx, devices = source(value)
+    return ctx.name, ctx.short, devices
+
+
 _event = functools.partial(tuple.__new__, Event)  # fields in order -> Event, without argument parsing
 
 
@@ -451,10 +473,10 @@ def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> tup
             math.prod(shape) * itemsize if ax is None else math.prod(shape[:ax] + shape[ax + 1 :]) * itemsize
         )
         kind = "replicate" if ax is None else "split"
-        for name, device, size in zip(targets.names, targets.devices, sizes, strict=True):
-            if src_devices == frozenset((device,)) or (ax is not None and not size):
+        for ctx, size in zip(targets.contexts, sizes, strict=True):
+            if src_devices == frozenset((ctx.device,)) or (ax is not None and not size):
                 continue  # this part is already there, or it has no rows
-            key = (kind, src_name, name, src_dev, _devices.short_name(device))
+            key = (kind, src_name, ctx.name, src_dev, ctx.short)
             entry = totals.setdefault(key, [0, 0, size])
             entry[0] += per_row if ax is None else per_row * size
             entry[1] += 1
@@ -497,10 +519,8 @@ def run_layout(targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str
 def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> tuple:
     return _with_shares(
         [
-            (("run", name, name, dev, dev, 0), {"fn": fn, "of": of, "path": path, "rows": size})
-            for name, dev, size in zip(
-                targets.names, map(_devices.short_name, targets.devices), sizes, strict=True
-            )
+            (("run", c.name, c.name, c.short, c.short, 0), {"fn": fn, "of": of, "path": path, "rows": size})
+            for c, size in zip(targets.contexts, sizes, strict=True)
             if size
         ]
     )

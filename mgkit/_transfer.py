@@ -13,13 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _contexts, _devices
-from ._contexts import HOST
+from . import _contexts
+from ._contexts import HOST_CONTEXT, Context, resolve
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
-
-_HOST_TARGETS = ("cpu", "host")
-
 
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
 
@@ -62,30 +59,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def source(leaf: Any) -> tuple[str, str, frozenset | None]:
-    """(context name, device name, devices) for a leaf; host memory for numpy and numbers."""
+def source(leaf: Any) -> tuple[Context, frozenset | None]:
+    """Where a leaf lives and on which devices; host memory (devices None) for numpy and numbers.
+    An array over several devices is named by its contexts joined with ``+``."""
     if isinstance(leaf, jax.Array):
         devs = leaf.devices()
         if len(devs) == 1:
-            (d,) = devs
-            return _contexts.name_of(d), _devices.short_name(d), frozenset(devs)
-        names = sorted({_contexts.name_of(d) for d in devs})
-        return "+".join(names), f"{len(devs)} devices", frozenset(devs)
-    return HOST, HOST, None
-
-
-def target(ctx: Any, fn: str) -> tuple[str, jax.Device | None]:
-    """(name, device) for a target context; device None means host numpy."""
-    if isinstance(ctx, str) and ctx in _HOST_TARGETS:
-        return HOST, None
-    if isinstance(ctx, jax.Device):
-        return _contexts.name_of(ctx), ctx
-    try:
-        return ctx, _contexts.device_of(ctx)
-    except (ContextError, ValueError) as e:
-        raise type(e)(f"{fn}: {e}") from None
-    except TypeError as e:
-        raise TypeError(f"{fn}: {e}; use 'cpu' for host memory") from None
+            return _contexts.context_of(next(iter(devs))), frozenset(devs)
+        names = "+".join(sorted({_contexts.name_of(d) for d in devs}))
+        return Context(names, None, f"{len(devs)} devices"), frozenset(devs)
+    return HOST_CONTEXT, None
 
 
 def concrete(leaf: Any) -> Any:
@@ -201,15 +184,9 @@ def _through_host(value: Any, device: jax.Device) -> bool:
     return device.platform == "cpu" and len(sources) == 1 and next(iter(sources)).platform == "cpu"
 
 
-def place(
-    leaves: list,
-    name: str,
-    device: jax.Device | None,
-    kind: str,
-    info: dict | None = None,
-    private: bool = False,
-) -> list:
-    """Moves a list of leaves to one device (None: host numpy), one ledger event per source.
+def place(leaves: list, to: Context, kind: str, info: dict | None = None, private: bool = False) -> list:
+    """Moves a list of leaves to one context (``HOST_CONTEXT``: host numpy), one ledger event
+    per source.
 
     Leaves already there are returned as they are. Inside ``jax.jit`` nothing is recorded: the
     copy happens when the compiled program runs. ``private``: host leaves bound for a CPU
@@ -217,22 +194,22 @@ def place(
     """
     label = execution_label()
     # Group the leaves that actually move by where they come from: one event per source.
-    groups: dict[tuple[str, str], list[int]] = {}
+    device = to.device
+    groups: dict[Context | None, list[int]] = {}
     out = list(leaves)
     for i, leaf in enumerate(leaves):
         value = concrete(leaf)
         if value is None:  # traced: the copy happens when the compiled program runs
-            groups.setdefault(("", ""), []).append(i)
+            groups.setdefault(None, []).append(i)
             continue
-        src_name, src_dev, src_devices = source(value)
+        src, src_devices = source(value)
         if device is None and src_devices is None:
             out[i] = np.asarray(value)  # already host memory
             continue
         if device is not None and src_devices == frozenset((device,)):
             continue  # already there
-        groups.setdefault((src_name, src_dev), []).append(i)
-    dst_dev = HOST if device is None else _devices.short_name(device)
-    for (src_name, src_dev), idx in groups.items():
+        groups.setdefault(src, []).append(i)
+    for src, idx in groups.items():
         moving = [leaves[i] for i in idx]
         start, t0 = time.time(), time.perf_counter()
         if device is None:
@@ -243,15 +220,15 @@ def place(
             seconds = 0.0
         for i, m in zip(idx, moved, strict=True):
             out[i] = m
-        if not src_name:
+        if src is None:
             continue
         nbytes = sum(m.nbytes for m in moved)
         event = Event(
             kind,
-            src_name,
-            name,
-            src_dev,
-            dst_dev,
+            src.name,
+            to.name,
+            src.short,
+            to.short,
             nbytes,
             start,
             seconds,
@@ -266,9 +243,9 @@ def place(
 
 
 def _move(tree: Any, ctx: Any, kind: str, fn: str) -> Any:
-    name, device = target(ctx, fn)
+    to = resolve(ctx, fn)
     leaves, treedef = leaves_of(tree, fn)
-    return jax.tree_util.tree_unflatten(treedef, place(leaves, name, device, kind))
+    return jax.tree_util.tree_unflatten(treedef, place(leaves, to, kind))
 
 
 def put(tree: Any, ctx: str | jax.Device) -> Any:
@@ -287,7 +264,7 @@ def put(tree: Any, ctx: str | jax.Device) -> Any:
     >>> mg.where(w)
     'dev1'
     """
-    if isinstance(ctx, str) and ctx in _HOST_TARGETS:
+    if isinstance(ctx, str) and resolve(ctx, "put") is HOST_CONTEXT:
         raise ContextError(
             f"put(tree, {ctx!r}): put places data on a device context; to bring arrays back to "
             "host numpy use mg.transfer(tree, 'cpu')"
@@ -331,7 +308,7 @@ def where(tree: Any) -> str | dict:
     """The context a pytree lives on: one name when every leaf is on the same context, else a
     dict leaf path -> context name (``host`` for numpy)."""
     leaves, _ = leaves_of(tree, "where")
-    names = [source(leaf)[0] for leaf in leaves]
+    names = [source(leaf)[0].name for leaf in leaves]
     if len(set(names)) == 1:
         return names[0]
     return dict(zip(_paths(tree), names, strict=True))
@@ -345,7 +322,7 @@ def synchronize(ctx: str | jax.Device | None = None) -> None:
     if ctx is None:
         targets = None
     else:
-        _, device = target(ctx, "synchronize")
+        device = resolve(ctx, "synchronize").device
         if device is None:
             return
         targets = {device}
