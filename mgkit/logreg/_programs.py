@@ -195,7 +195,13 @@ def make_spec(
     # on an H100: 2.0 ms, not 2.3); on a CPU, or for many rows, each trial's work counts (100k
     # x 100 on a CPU: 150 ms a fit, not 83).
     batched = platform != "cpu" and rows * models * c * (BACKTRACKS + 1) <= _BATCHED_TRIALS
-    return Spec(solver, c, max_iter, every, reduce, fused, short_sums=short, batched_search=batched)
+    # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
+    # simulated device: their Newton systems are solved by XLA operations instead, so "auto"
+    # picks the same solver for a problem whatever the layout.
+    own = solver == "newton" and platform == "cpu" and models > 1
+    return Spec(
+        solver, c, max_iter, every, reduce, fused, short_sums=short, batched_search=batched, own_solve=own
+    )
 
 
 _BATCHED_TRIALS = 1 << 22  # per-row values (rows x models x classes x lengths) for all step lengths at once
@@ -216,7 +222,12 @@ def iterations_per_call(solver: str, d: int, c: int, platform: str, load: int) -
     its last step."""
     p = (d + 1) * c
     work = max(load, 1) * p * (p if solver == "newton" else 1)  # Newton: a p x p Hessian
-    return max(1, math.ceil(_REPORT_WORK.get(platform, _REPORT_WORK_ACCEL) / work))
+    return min(_MOST_PER_CALL, max(1, math.ceil(_REPORT_WORK.get(platform, _REPORT_WORK_ACCEL) / work)))
+
+
+# Iterations per call at most, whatever their work: a call's history holds one value per
+# iteration (and an iteration of the smallest fit still takes microseconds).
+_MOST_PER_CALL = 10_000
 
 
 def per_device_rows(parts, penalties, starts, dtype) -> np.ndarray:
