@@ -29,6 +29,7 @@ from ._checks import (
 from ._driver import Job, conclude, drive, mapped_job, progress_run
 from ._model import Model
 from ._programs import (
+    ARG_NAMES,
     MODELS,
     REPL,
     ROWS,
@@ -36,9 +37,11 @@ from ._programs import (
     make_spec,
     per_device_program,
     per_device_rows,
+    place_args,
     scalar_args,
 )
 from ._results import Fit, every_model, fetch_facts, model_of, split_block, unpack_facts
+from ._solver import Args
 
 
 def fit(
@@ -67,14 +70,19 @@ def fit(
       y: (n,) labels, any k >= 2 distinct sortable values.
       l2: penalty in ``mean(log-loss) + l2 * ||w||^2``. Default: scikit-learn's default
         ``C=1``, i.e. ``l2 = 1 / (2 * n)``.
-      C: scikit-learn's inverse penalty instead of l2 (``l2 = 1 / (2 * C * n)``; with
-        sample_weight, n is their sum); ``C=np.inf`` is no penalty (``l2=0``), as in scikit-learn.
-      sample_weight: (n,) non-negative row weights (the mean becomes a weighted mean, so only
-        their ratios matter: they are scaled to a mean of one on the host, in float64).
-      solver: ``"auto"`` (Newton when the Hessian is small, else L-BFGS), ``"newton"``,
+      C: scikit-learn's inverse penalty instead of l2 (``l2 = 1 / (2 * C * n)``).
+      sample_weight: (n,) non-negative row weights (the mean becomes a weighted mean).
+      solver: ``"auto"`` (Newton when the Hessian is small, else L-BFGS: the same choice in
+        every layout), ``"newton"``,
         ``"lbfgs"``, or ``"gd"``: fixed ``learning_rate`` for exactly ``max_iter`` steps.
       max_iter: iterations at most (gd: steps). Default 100 (newton), 1000 (lbfgs), 10000 (gd).
-      tol: stop when every gradient component is at most this.
+      tol: the stopping rule, the same in every layout: Newton and L-BFGS stop when every
+        gradient component is at most ``tol`` and the estimated distance to the minimum
+        objective (the decrement ``-g . d / 2`` of the next step d) is at most ``tol`` times the
+        objective. Newton's estimate is second order; L-BFGS's uses its inverse-Hessian
+        approximation and can understate the distance a few times on ill-conditioned problems
+        (use ``solver="newton"`` or a smaller tol there). gd: converged when every gradient
+        component is at most ``tol`` (it takes its fixed steps regardless).
       learning_rate: gd's step size.
       init: a Model or ``(w, b)`` to start from (default zeros).
       contexts: context names, a count (the first n) or None for every context in the map.
@@ -95,9 +103,8 @@ def fit(
     X = check_X(X, where)
     n, d = X.shape
     y_idx, classes = encode(y, n, where)
-    omega, total = (None, float(n)) if sample_weight is None else weights(sample_weight, n, where)
-    omega = None if omega is None else omega[:, None]
-    l2v = penalty(l2, C, total, where)
+    omega = None if sample_weight is None else weights(sample_weight, n, where)[:, None]
+    l2v = penalty(l2, C, float(n) if omega is None else float(omega.sum()), where)
     c = 1 if len(classes) == 2 else len(classes)
     W0, b0 = initial(init, d, c, where)
     devices = tuple(dict.fromkeys(targets.devices))  # two names on one device share its rows
@@ -124,27 +131,21 @@ def fit(
     if padded and omega is None:
         omega = np.ones((n, 1), dtype)
     start = bool(W0.any() or b0.any())  # else the start from zeros is made on the devices
-    parts = {
-        "X": (X, 0),
-        "y": (y_idx, 0),
-        "sample_weight": (omega, 0) if weighted else None,
-        "init w": (W0.reshape(d, 1, c).astype(dtype), None) if start else None,
-        "init b": (b0.reshape(1, c).astype(dtype), None) if start else None,
-        "l2": (np.asarray([l2v], dtype), None),
-    }
-    names = [nm for nm, part in parts.items() if part is not None]
-    batch = Batch(
-        [parts[nm][0] for nm in names], None, tuple(parts[nm][1] for nm in names), n, _names(*names)
+    parts = Args(
+        X,
+        y_idx,
+        omega if weighted else None,
+        W0.reshape(d, 1, c).astype(dtype) if start else None,
+        b0.reshape(1, c).astype(dtype) if start else None,
+        np.asarray([l2v], dtype),
     )
     # one placement; the arrays made here (all but X) need no private copies
-    placed = _spmd.place_spmd(batch, targets, sizes, own=range(1, len(names)))
-    got = dict(zip(names, placed, strict=True))
+    placed = place_args(parts, Args(0, 0, 0, None, None, None), n, targets, sizes, own=Args._fields[1:])
     if padded:  # padding rows repeat a real row: zero their weight
         keep = np.zeros((k * max(sizes), 1), dtype)
         keep[_spmd.padding(sizes)[1]] = 1
-        got["sample_weight"] = got["sample_weight"] * keep
-    placed = [got.get(nm) for nm in ("X", "y", "sample_weight", "init w", "init b", "l2")]
-    args = (*placed, *scalar_args(opts, dtype, devices))
+        placed = placed._replace(omega=placed.omega * keep)
+    args = (placed, *scalar_args(opts, dtype, devices))
     owners = [list(range(k))]  # every context holds the one model
     try:
         job = mapped_job(spec, devices, "rows", args)
@@ -178,7 +179,7 @@ def fit_per_device(
       data: ``{context: (X, y)}``, or a function ``context -> (X, y)`` that makes each
         context's data; it runs inside ``mg.on(context)``, so arrays it creates land there.
       l2, C: the penalty, shared by every model, or a ``{context: value}`` mapping of
-        private values. Default: ``C=1`` as in scikit-learn; ``C=np.inf``: no penalty.
+        private values. Default: ``C=1`` as in scikit-learn.
       init: a Model or ``(w, b)`` for every context, or a ``{context: ...}`` mapping.
       contexts: with a data function, the contexts to fit on (default: every context).
       solver, max_iter, tol, learning_rate, progress: as in ``fit``.
@@ -350,7 +351,7 @@ def fit_many(
     Args:
       X, y: the data, as in ``fit``; every device gets a copy.
       l2: a list of K penalties (a sweep); or one value for every model when ``rows`` is given.
-      C: scikit-learn's C instead of l2 (one value or a list; ``np.inf``: no penalty).
+      C: scikit-learn's C instead of l2 (one value or a list).
       rows: K sets of row indices (repeats allowed: bootstrap samples); model i is fitted on
         ``X[rows[i]], y[rows[i]]``.
       solver, max_iter, tol, learning_rate, contexts, progress: as in ``fit``.
@@ -409,10 +410,6 @@ def fit_many(
     targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
     platform, per = targets.devices[0].platform, -(-k_models // used)
     spec = make_spec(opts, d, c, platform, False, rows=n, models=per, held=n * used)
-    if opts.solver == "auto" and spec.solver == "newton" and platform == "cpu":
-        # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
-        # simulated device; L-BFGS needs no factorisation.
-        spec = make_spec(opts._replace(solver="lbfgs"), d, c, platform, False, n, per, n * used)
     chunks = [per] * used if targets.spmd else list(_spmd.shares(k_models, used))
     padded = sum(chunks)
     order = list(range(k_models)) + [k_models - 1] * (padded - k_models)  # repeats the last model
@@ -421,46 +418,58 @@ def fit_many(
     W0, b0 = np.zeros((d, padded, c), dtype), np.zeros((padded, c), dtype)
     run = progress_run("logreg.fit_many", targets, [n] * used, chunks, spec)
     try:
-        if targets.spmd:
-            axes = (None, None, None if counts is None else 1, 1, 0, 0)
-            batch = Batch(
-                [X, y_idx, omega, W0, b0, pen],
-                None,
-                axes,
-                padded,
-                _names("X", "y", "rows", "init w", "init b", "l2"),
-            )
-            placed = _spmd.place_spmd(batch, targets, tuple(chunks))
-            omega_spec = REPL if counts is None else MODELS
-            devices = targets.devices
-            args = (*placed, *scalar_args(opts, dtype, devices))
-            jobs = [mapped_job(spec, devices, "models", args, omega_spec)]
-            slots = [(0, j) for j in range(k_models)]  # (job, model in its fit) of each model
-        else:
-            jobs, start, slots = [], 0, []
-            scalars = scalar_args(opts, dtype)
-            for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
-                part = slice(start, start + m)
-                start += m
-                om = omega if counts is None else omega[:, part]
-                args = place([X, y_idx, om, W0[:, part], b0[part], pen[part]], ctx, device, "replicate")
-                program = functools.partial(local_program(spec), *args, *scalars)
-                jobs.append(Job(spec, program, [i]))
-                slots += [(i, j) for j in range(m)]
-            slots = slots[:k_models]
+        jobs, slots = _many_jobs(
+            Args(X, y_idx, omega, W0, b0, pen), counts is not None, targets, chunks, spec, opts
+        )
+        slots = slots[:k_models]
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
         facts = drive(jobs, run, opts.progress, lambda fits: fetch_facts(fits, slots), owners)
-        first, device = targets.names[0], targets.devices[0]
-        if targets.spmd:
-            got = {"from": "+".join(targets.names)}
-            W, b = place(list(jobs[0].result[:2]), first, device, "gather", got)
-        else:
-            moved = [place(list(job.result[:2]), first, device, "gather") for job in jobs]
-            W, b = (jnp.concatenate(f, axis=1 - j) for j, f in enumerate(zip(*moved, strict=True)))
-        out = Fit(W, b, None)
+        out = Fit(*_gathered(jobs, targets), None)
         labels = [f"model {j}" for j in range(k_models)]
         conclude(run, facts, labels, owners, where, spec.solver, ([X], ["X"]))
     finally:
         run.close()
     info = facts.info(slice(None), pen[:k_models], spec.solver)
     return model_of(out, slice(0, k_models), classes, info, c)
+
+
+def _many_jobs(
+    parts: Args, drawn: bool, targets: Targets, chunks: list, spec, opts
+) -> tuple[list[Job], list]:
+    """``fit_many``'s jobs: one SPMD program, each device fitting its chunk of the models on all
+    the rows, or one program per context. ``parts``: every model's arrays (row weights per
+    model when ``drawn``: bootstrap counts). Returns the jobs and, per model, (its job, its
+    index in the job's fit)."""
+    dtype = parts.l2.dtype
+    if targets.spmd:
+        axes = Args(None, None, 1 if drawn else None, 1, 0, 0)
+        names = ARG_NAMES._replace(omega="rows")
+        placed = place_args(parts, axes, sum(chunks), targets, tuple(chunks), names=names)
+        args = (placed, *scalar_args(opts, dtype, targets.devices))
+        job = mapped_job(spec, targets.devices, "models", args, MODELS if drawn else REPL)
+        return [job], [(0, j) for j in range(sum(chunks))]
+    jobs, start, slots = [], 0, []
+    scalars = scalar_args(opts, dtype)
+    for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
+        part = slice(start, start + m)
+        start += m
+        mine = parts._replace(
+            omega=parts.omega[:, part] if drawn else parts.omega,
+            W0=parts.W0[:, part],
+            b0=parts.b0[part],
+            l2=parts.l2[part],
+        )
+        args = Args(*place(list(mine), ctx, device, "replicate"))
+        jobs.append(Job(spec, functools.partial(local_program(spec), args, *scalars), [i]))
+        slots += [(i, j) for j in range(m)]
+    return jobs, slots
+
+
+def _gathered(jobs: list[Job], targets: Targets) -> tuple:
+    """``fit_many``'s W and b, every model's, on the first context."""
+    first, device = targets.names[0], targets.devices[0]
+    if targets.spmd:
+        got = {"from": "+".join(targets.names)}
+        return tuple(place(list(jobs[0].result[:2]), first, device, "gather", got))
+    moved = [place(list(job.result[:2]), first, device, "gather") for job in jobs]
+    return tuple(jnp.concatenate(f, axis=1 - j) for j, f in enumerate(zip(*moved, strict=True)))
