@@ -70,8 +70,10 @@ def fit(
       y: (n,) labels, any k >= 2 distinct sortable values.
       l2: penalty in ``mean(log-loss) + l2 * ||w||^2``. Default: scikit-learn's default
         ``C=1``, i.e. ``l2 = 1 / (2 * n)``.
-      C: scikit-learn's inverse penalty instead of l2 (``l2 = 1 / (2 * C * n)``).
-      sample_weight: (n,) non-negative row weights (the mean becomes a weighted mean).
+      C: scikit-learn's inverse penalty instead of l2 (``l2 = 1 / (2 * C * n)``; with
+        sample_weight, n is their sum); ``C=np.inf`` is no penalty (``l2=0``), as in scikit-learn.
+      sample_weight: (n,) non-negative row weights (the mean becomes a weighted mean, so only
+        their ratios matter: they are scaled to a mean of one on the host, in float64).
       solver: ``"auto"`` (Newton when the Hessian is small, else L-BFGS: the same choice in
         every layout), ``"newton"``,
         ``"lbfgs"``, or ``"gd"``: fixed ``learning_rate`` for exactly ``max_iter`` steps.
@@ -103,8 +105,9 @@ def fit(
     X = check_X(X, where)
     n, d = X.shape
     y_idx, classes = encode(y, n, where)
-    omega = None if sample_weight is None else weights(sample_weight, n, where)[:, None]
-    l2v = penalty(l2, C, float(n) if omega is None else float(omega.sum()), where)
+    omega, total = (None, float(n)) if sample_weight is None else weights(sample_weight, n, where)
+    omega = None if omega is None else omega[:, None]
+    l2v = penalty(l2, C, total, where)
     c = 1 if len(classes) == 2 else len(classes)
     W0, b0 = initial(init, d, c, where)
     devices = tuple(dict.fromkeys(targets.devices))  # two names on one device share its rows
@@ -179,7 +182,7 @@ def fit_per_device(
       data: ``{context: (X, y)}``, or a function ``context -> (X, y)`` that makes each
         context's data; it runs inside ``mg.on(context)``, so arrays it creates land there.
       l2, C: the penalty, shared by every model, or a ``{context: value}`` mapping of
-        private values. Default: ``C=1`` as in scikit-learn.
+        private values. Default: ``C=1`` as in scikit-learn; ``C=np.inf``: no penalty.
       init: a Model or ``(w, b)`` for every context, or a ``{context: ...}`` mapping.
       contexts: with a data function, the contexts to fit on (default: every context).
       solver, max_iter, tol, learning_rate, progress: as in ``fit``.
@@ -351,7 +354,7 @@ def fit_many(
     Args:
       X, y: the data, as in ``fit``; every device gets a copy.
       l2: a list of K penalties (a sweep); or one value for every model when ``rows`` is given.
-      C: scikit-learn's C instead of l2 (one value or a list).
+      C: scikit-learn's C instead of l2 (one value or a list; ``np.inf``: no penalty).
       rows: K sets of row indices (repeats allowed: bootstrap samples); model i is fitted on
         ``X[rows[i]], y[rows[i]]``.
       solver, max_iter, tol, learning_rate, contexts, progress: as in ``fit``.
