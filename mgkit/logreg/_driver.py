@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _devices, _progress
+from .. import _progress
 from .._spmd import Targets
 from ._checks import check_finite
 from ._model import ConvergenceWarning
@@ -126,7 +126,7 @@ def progress_run(what, targets: Targets, samples, models, spec: Spec) -> _progre
     return _progress.Run(
         f"{what} ({spec.solver})",
         targets.names,
-        [_devices.short_name(d) for d in targets.devices],
+        [ctx.short for ctx in targets.contexts],
         samples,
         models,
         spec.max_iter if spec.solver == "gd" else None,

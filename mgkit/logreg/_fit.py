@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _contexts, _devices, _spmd
+from .. import _contexts, _spmd
 from .._spmd import Batch, Targets
 from .._transfer import place, staged
 from ._checks import (
@@ -112,18 +112,16 @@ def fit(
     W0, b0 = initial(init, d, c, where)
     devices = tuple(dict.fromkeys(targets.devices))  # two names on one device share its rows
     if len({dev.platform for dev in devices}) > 1:
-        kinds = ", ".join(
-            f"{nm}->{_devices.short_name(dv)}" for nm, dv in zip(targets.names, targets.devices, strict=True)
-        )
+        kinds = ", ".join(f"{ctx.name}->{ctx.short}" for ctx in targets.contexts)
         raise ValueError(
             f"{where}: a data-parallel fit sums every iteration over one SPMD program, which needs "
             f"devices of one kind, but the contexts mix kinds ({kinds}). Pass contexts=[...] naming "
             "devices of one kind, or fit one model per context with mg.logreg.fit_per_device"
         )
     first = {}  # each device under the first of the given contexts that names it
-    for nm, dv in zip(targets.names, targets.devices, strict=True):
-        first.setdefault(dv, nm)
-    targets = Targets(tuple(first.values()), devices, True)
+    for ctx in targets.contexts:
+        first.setdefault(ctx.device, ctx)
+    targets = Targets(tuple(first.values()), True)
     k = len(devices)
     spec = make_spec(opts, d, c, devices[0].platform, True, rows=-(-n // k), models=1, held=n)
     sizes = _spmd.shares(n, k)
@@ -288,10 +286,8 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, dtype) -> Jo
     # host X bound for CPU devices are copied all at once, over two threads (eight 1.25 MB
     # copies one after another take twice as long)
     Xs = [
-        place([X], name, device, "put", private=True)[0]
-        for X, name, device in zip(
-            staged([X for X, _, _ in parts], targets.devices), targets.names, targets.devices, strict=True
-        )
+        place([X], ctx, "put", private=True)[0]
+        for X, ctx in zip(staged([X for X, _, _ in parts], targets.devices), targets.contexts, strict=True)
     ]
     sharding = jax.sharding.NamedSharding(_spmd.mesh(targets.devices), ROWS)
     X = jax.make_array_from_single_device_arrays((k * n, Xs[0].shape[1]), sharding, Xs)
@@ -319,11 +315,11 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> 
     scalars = scalar_args(opts, dtype)
     jobs: list[Job] = []
     slots: list = [None] * len(parts)
-    for (device, spec, _), members in groups.items():
-        Xs = tuple(place([parts[i][0]], targets.names[i], device, "put")[0] for i in members)
+    for (_, spec, _), members in groups.items():
+        Xs = tuple(place([parts[i][0]], targets.contexts[i], "put")[0] for i in members)
         # the group's labels, penalties and starts: one placement (row weights are made there)
         rows = per_device_rows(*([seq[i] for i in members] for seq in (parts, penalties, starts)), dtype)
-        (rows,) = place([rows.reshape(len(members), -1)], targets.names[members[0]], device, "put")
+        (rows,) = place([rows.reshape(len(members), -1)], targets.contexts[members[0]], "put")
         stacked = len(members) > 1
         program = per_device_program(spec, stacked)
         jobs.append(Job(spec, functools.partial(program, Xs if stacked else Xs[0], rows, *scalars), members))
@@ -410,7 +406,7 @@ def fit_many(
     ]
     c = 1 if len(classes) == 2 else len(classes)
     used = min(k_models, len(targets.names))
-    targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
+    targets = targets.first(used)
     platform, per = targets.devices[0].platform, -(-k_models // used)
     spec = make_spec(opts, d, c, platform, False, rows=n, models=per, held=n * used)
     chunks = [per] * used if targets.spmd else list(_spmd.shares(k_models, used))
@@ -453,7 +449,7 @@ def _many_jobs(
         return [job], [(0, j) for j in range(sum(chunks))]
     jobs, start, slots = [], 0, []
     scalars = scalar_args(opts, dtype)
-    for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
+    for i, (ctx, m) in enumerate(zip(targets.contexts, chunks, strict=True)):
         part = slice(start, start + m)
         start += m
         mine = parts._replace(
@@ -462,7 +458,7 @@ def _many_jobs(
             b0=parts.b0[part],
             l2=parts.l2[part],
         )
-        args = Args(*place(list(mine), ctx, device, "replicate"))
+        args = Args(*place(list(mine), ctx, "replicate"))
         jobs.append(Job(spec, functools.partial(local_program(spec), args, *scalars), [i]))
         slots += [(i, j) for j in range(m)]
     return jobs, slots
@@ -470,9 +466,9 @@ def _many_jobs(
 
 def _gathered(jobs: list[Job], targets: Targets) -> tuple:
     """``fit_many``'s W and b, every model's, on the first context."""
-    first, device = targets.names[0], targets.devices[0]
+    first = targets.contexts[0]
     if targets.spmd:
         got = {"from": "+".join(targets.names)}
-        return tuple(place(list(jobs[0].result[:2]), first, device, "gather", got))
-    moved = [place(list(job.result[:2]), first, device, "gather") for job in jobs]
+        return tuple(place(list(jobs[0].result[:2]), first, "gather", got))
+    moved = [place(list(job.result[:2]), first, "gather") for job in jobs]
     return tuple(jnp.concatenate(f, axis=1 - j) for j, f in enumerate(zip(*moved, strict=True)))

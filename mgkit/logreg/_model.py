@@ -296,7 +296,7 @@ def _follow(a: Any, X: Any) -> Any:
         return a
     if len(X.devices()) == 1:
         (device,) = X.devices()
-        return place([a], _contexts.name_of(device), device, "transfer")[0]
+        return place([a], _contexts.context_of(device), "transfer")[0]
     return jax.device_put(a, X.sharding.with_spec(P()) if hasattr(X.sharding, "with_spec") else X.sharding)
 
 
