@@ -61,12 +61,16 @@ def test_prediction_of_strings(model, call):
 def test_score_of_strings(model):
     with pytest.raises(TypeError, match=r"^score: X has dtype <U1"):
         lr.score(model, np.array([["a", "b"]]), [0])
-    with pytest.raises(TypeError, match=r"^score: y has labels of dtype <U3 .*'yes'.* the model's classes are \[0, 1\]"):
+    with pytest.raises(
+        TypeError, match=r"^score: y has labels of dtype <U3 .*'yes'.* the model's classes are \[0, 1\]"
+    ):
         lr.score(model, X4, ["yes", "no", "yes", "no"])
 
 
 def test_objective_checks_its_arguments(model):
-    with pytest.raises(ValueError, match=r"^objective: X has 3 features \(shape \(4, 3\)\), but the model was fitted on 2"):
+    with pytest.raises(
+        ValueError, match=r"^objective: X has 3 features \(shape \(4, 3\)\), but the model was fitted on 2"
+    ):
         lr.objective(model, np.ones((4, 3)), Y4, 0.1)
     with pytest.raises(ValueError, match=r"^objective: X must be 2-D"):
         lr.objective(model, np.ones(4), Y4, 0.1)
@@ -74,7 +78,10 @@ def test_objective_checks_its_arguments(model):
         lr.objective(model, np.array([["a", "b"]]), [0], 0.1)
     with pytest.raises(ValueError, match=r"^objective: X has 4 rows but y has 3 labels"):
         lr.objective(model, X4, [0, 0, 1], 0.1)
-    with pytest.raises(ValueError, match=r"^objective: y has labels the model was not fitted on: \[5\]; its classes are \[0, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"^objective: y has labels the model was not fitted on: \[5\]; its classes are \[0, 1\]",
+    ):
         lr.objective(model, X4, [0, 0, 5, 1], 0.1)
     with pytest.raises(TypeError, match=r"^objective: l2='a'; the penalty must be a number >= 0"):
         lr.objective(model, X4, Y4, "a")
@@ -83,7 +90,9 @@ def test_objective_checks_its_arguments(model):
 
 
 def test_unstack_of_a_non_model(model):
-    with pytest.raises(TypeError, match=r"^unstack: models must be a Model from mg\.logreg\.fit_many, got str"):
+    with pytest.raises(
+        TypeError, match=r"^unstack: models must be a Model from mg\.logreg\.fit_many, got str"
+    ):
         lr.unstack("x")
     with pytest.raises(TypeError, match=r"got tuple"):
         lr.unstack((model.w, model.b))
@@ -108,7 +117,9 @@ def test_prediction_of_nan_or_inf_raises(model, call, bad):
 def test_score_of_nan_raises(model):
     X = X4.copy()
     X[0, 0] = np.nan
-    with pytest.raises(ValueError, match=r"^score: X has 1 NaN or infinite value\(s\), the first at row 0, column 0"):
+    with pytest.raises(
+        ValueError, match=r"^score: X has 1 NaN or infinite value\(s\), the first at row 0, column 0"
+    ):
         lr.score(model, X, Y4)
 
 
@@ -148,7 +159,7 @@ def test_huge_sample_weights_fit_as_their_ratios():
 # -- C=np.inf: no penalty ------------------------------------------------------------------
 
 
-def test_C_inf_means_no_penalty():
+def test_c_inf_means_no_penalty():
     rng = np.random.default_rng(1)
     X = rng.normal(size=(40, 2))
     y = (X[:, 0] + rng.normal(size=40) > 0).astype(int)
@@ -166,8 +177,10 @@ def test_C_inf_means_no_penalty():
 
 
 @pytest.mark.parametrize("C", [0, -1.0, np.nan, -np.inf, "1", True])
-def test_C_still_rejects_other_values(C):
-    with pytest.raises(ValueError, match=re.escape(f"logreg.fit: C={C!r}; C must be a positive number") + ".*np.inf"):
+def test_c_still_rejects_other_values(C):
+    with pytest.raises(
+        ValueError, match=re.escape(f"logreg.fit: C={C!r}; C must be a positive number") + ".*np.inf"
+    ):
         lr.fit(X4, Y4, C=C)
 
 
@@ -222,7 +235,7 @@ def test_ctrl_c_returns_at_once_and_the_next_fit_does_not_wait(which, solver):
     lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("interrupt")]
     assert len(lines) == 2, proc.stdout
     for line in lines:
-        late, next_fit = float(line[2]), float(line[4])
+        late, next_fit = float(line[2]), float(line[5])
         assert late < 1.0, proc.stdout  # Ctrl-C returned within a second
         assert next_fit < 1.5, proc.stdout  # the next fit waited for no abandoned work
 
