@@ -18,7 +18,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
 import mgkit as mg
-from mgkit.logreg import _checks, _fit, _programs, _solver
+from mgkit.logreg import _checks, _fit, _objective, _programs, _solver
 
 lr = mg.logreg
 
@@ -108,8 +108,10 @@ def test_short_sums_skip_the_tree_split_on_cpus_only():
     short = _programs.local_program(spec(784, 1, "cpu", rows=400))
     long = _programs.local_program(spec(784, 1, "cpu", rows=100_000))
     args = (
-        np.ones((400, 784), np.float32), np.zeros(400, np.int32), np.ones((400, 1), np.float32),
-        np.zeros((784, 1, 1), np.float32), np.zeros((1, 1), np.float32), np.full(1, 0.01, np.float32),
+        _solver.Args(
+            np.ones((400, 784), np.float32), np.zeros(400, np.int32), np.ones((400, 1), np.float32),
+            np.zeros((784, 1, 1), np.float32), np.zeros((1, 1), np.float32), np.full(1, 0.01, np.float32),
+        ),
         np.float32(1e-5), np.float32(0.1),
     )  # fmt: skip
     assert "reduce-window" not in short.lower(*args).compile().as_text()
@@ -120,7 +122,7 @@ def test_short_sums_skip_the_tree_split_on_cpus_only():
 def test_the_gradient_sum_in_halves_is_the_sum_over_rows(n):
     rng = np.random.default_rng(n)
     X, r = rng.standard_normal((n, 4)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    got = jax.jit(_solver._halves_sum)(X, r)
+    got = jax.jit(_objective._halves_sum)(X, r)
     np.testing.assert_allclose(np.asarray(got), (X * r[:, None]).sum(0), rtol=1e-5, atol=1e-6)
 
 

@@ -28,6 +28,7 @@ from ._checks import (
 from ._driver import Job, conclude, drive, mapped_job, progress_run
 from ._model import Model
 from ._programs import (
+    ARG_NAMES,
     MODELS,
     REPL,
     ROWS,
@@ -35,9 +36,11 @@ from ._programs import (
     make_spec,
     per_device_program,
     per_device_rows,
+    place_args,
     scalar_args,
 )
 from ._results import Fit, every_model, fetch_facts, model_of, split_block, unpack_facts
+from ._solver import Args
 
 
 def fit(
@@ -123,27 +126,21 @@ def fit(
     if padded and omega is None:
         omega = np.ones((n, 1), dtype)
     start = bool(W0.any() or b0.any())  # else the start from zeros is made on the devices
-    parts = {
-        "X": (X, 0),
-        "y": (y_idx, 0),
-        "sample_weight": (omega, 0) if weighted else None,
-        "init w": (W0.reshape(d, 1, c).astype(dtype), None) if start else None,
-        "init b": (b0.reshape(1, c).astype(dtype), None) if start else None,
-        "l2": (np.asarray([l2v], dtype), None),
-    }
-    names = [nm for nm, part in parts.items() if part is not None]
-    batch = Batch(
-        [parts[nm][0] for nm in names], None, tuple(parts[nm][1] for nm in names), n, _names(*names)
+    parts = Args(
+        X,
+        y_idx,
+        omega if weighted else None,
+        W0.reshape(d, 1, c).astype(dtype) if start else None,
+        b0.reshape(1, c).astype(dtype) if start else None,
+        np.asarray([l2v], dtype),
     )
     # one placement; the arrays made here (all but X) need no private copies
-    placed = _parallel.place_spmd(batch, targets, sizes, own=range(1, len(names)))
-    got = dict(zip(names, placed, strict=True))
+    placed = place_args(parts, Args(0, 0, 0, None, None, None), n, targets, sizes, own=Args._fields[1:])
     if padded:  # padding rows repeat a real row: zero their weight
         keep = np.zeros((k * max(sizes), 1), dtype)
         keep[_parallel._padding(sizes)[1]] = 1
-        got["sample_weight"] = got["sample_weight"] * keep
-    placed = [got.get(nm) for nm in ("X", "y", "sample_weight", "init w", "init b", "l2")]
-    args = (*placed, *scalar_args(opts, dtype, devices))
+        placed = placed._replace(omega=placed.omega * keep)
+    args = (placed, *scalar_args(opts, dtype, devices))
     owners = [list(range(k))]  # every context holds the one model
     try:
         job = mapped_job(spec, devices, "rows", args)
@@ -423,18 +420,14 @@ def fit_many(
     run = progress_run("logreg.fit_many", targets, [n] * used, chunks, spec)
     try:
         if targets.spmd:
-            axes = (None, None, None if counts is None else 1, 1, 0, 0)
-            batch = Batch(
-                [X, y_idx, omega, W0, b0, pen],
-                None,
-                axes,
-                padded,
-                _names("X", "y", "rows", "init w", "init b", "l2"),
+            axes = Args(None, None, None if counts is None else 1, 1, 0, 0)
+            parts = Args(X, y_idx, omega, W0, b0, pen)
+            placed = place_args(
+                parts, axes, padded, targets, tuple(chunks), names=ARG_NAMES._replace(omega="rows")
             )
-            placed = _parallel.place_spmd(batch, targets, tuple(chunks))
             omega_spec = REPL if counts is None else MODELS
             devices = targets.devices
-            args = (*placed, *scalar_args(opts, dtype, devices))
+            args = (placed, *scalar_args(opts, dtype, devices))
             jobs = [mapped_job(spec, devices, "models", args, omega_spec)]
             slots = [(0, j) for j in range(k_models)]  # (job, model in its fit) of each model
         else:
@@ -444,9 +437,10 @@ def fit_many(
                 part = slice(start, start + m)
                 start += m
                 om = omega if counts is None else omega[:, part]
-                args = place([X, y_idx, om, W0[:, part], b0[part], pen[part]], ctx, device, "replicate")
+                args = Args(X, y_idx, om, W0[:, part], b0[part], pen[part])
+                args = Args(*place(list(args), ctx, device, "replicate"))
                 program = local_program(spec)
-                jobs.append(Job(spec, lambda _, program=program: program, (*args, *scalars), [i]))
+                jobs.append(Job(spec, lambda _, program=program: program, (args, *scalars), [i]))
                 slots += [(i, j) for j in range(m)]
             slots = slots[:k_models]
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]

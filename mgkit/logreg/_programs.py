@@ -14,10 +14,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .. import _parallel
-from .._parallel import AXIS
+from .._parallel import AXIS, Batch, Targets
 from ._checks import Options, float_dtype
 from ._results import Fit
-from ._solver import BACKTRACKS, Spec, solve
+from ._solver import BACKTRACKS, Args, Spec, solve
 
 MAX_ITER = {"newton": 100, "lbfgs": 1000, "gd": 10_000}
 NEWTON_MAX_PARAMS = {"cpu": 64}  # parameters per model up to which "auto" picks Newton
@@ -37,7 +37,8 @@ _SHORT_SUM = 16384  # terms (rows per device, or parameters per model) of a sum 
 
 
 def local_program(spec: Spec) -> Callable:
-    """One device, M models: ``solve`` compiled (a resumed call passes the state last)."""
+    """One device, M models: ``solve`` compiled, called with ``Args``, tol and lr (a resumed
+    call: the state last)."""
     return _parallel._PROGRAMS.get(
         ("logreg", spec),
         lambda: jax.jit(functools.partial(solve, spec), compiler_options=_compiler_options(spec)),
@@ -52,9 +53,9 @@ def per_device_program(spec: Spec, stacked: bool) -> Callable:
 
     def program(X, rows, tol, lr, *resume):
         n, d = X[0].shape if stacked else X.shape
-        y, l2, W0, b0 = _unrows(rows, n, d, spec.c)
-        X, y = (jnp.stack(X), y) if stacked else (X, y[:, 0])
-        return solve(spec._replace(stacked=stacked), X, y, None, W0, b0, l2, tol, lr, *resume)
+        args = _unrows(rows, n, d, spec.c)
+        X, y = (jnp.stack(X), args.y) if stacked else (X, args.y[:, 0])
+        return solve(spec._replace(stacked=stacked), args._replace(X=X, y=y), tol, lr, *resume)
 
     return _parallel._PROGRAMS.get(
         ("logreg", "per device", spec, stacked),
@@ -62,27 +63,28 @@ def per_device_program(spec: Spec, stacked: bool) -> Callable:
     )
 
 
-def _unrows(rows: jax.Array, n: int, d: int, c: int) -> tuple:
-    """``per_device_rows``' (M, L) rows (traced) -> y (n, M) class indices, l2 (M,) and the
-    start, W0 (d, M, c) and b0 (M, c): None (zeros) unless the rows carry one."""
+def _unrows(rows: jax.Array, n: int, d: int, c: int) -> Args:
+    """``per_device_rows``' (M, L) rows (traced) -> Args without X: y (n, M) class indices,
+    l2 (M,) and the start, W0 (d, M, c) and b0 (M, c): None (zeros) unless the rows carry one.
+    Every row weighs one."""
     M = rows.shape[0]
     y, l2 = rows[:, :n].T.astype(jnp.int32), rows[:, n]
     if rows.shape[1] > n + 1:  # a start other than zeros
         W0 = rows[:, n + 1 : n + 1 + d * c].reshape(M, d, c).transpose(1, 0, 2)
-        return y, l2, W0, rows[:, n + 1 + d * c :].reshape(M, c)
-    return y, l2, None, None
+        return Args(None, y, None, W0, rows[:, n + 1 + d * c :].reshape(M, c), l2)
+    return Args(None, y, None, None, None, l2)
 
 
-# Partition specs per layout, for (X, y, omega, W0, b0, l2) and the outputs.
+# Partition specs per layout, for the Args (or X and ``per_device_rows``) and the outputs.
 ROWS, MODELS, REPL = P(AXIS), P(None, AXIS), P()
 _LAYOUTS = {
     # one model, rows split, sums reduced: every output replicated
-    "rows": ((ROWS, ROWS, ROWS, REPL, REPL, REPL), Fit(*(REPL,) * 3)),
+    "rows": (Args(ROWS, ROWS, ROWS, REPL, REPL, REPL), Fit(*(REPL,) * 3)),
     # one model per device on its own rows and its labels, penalty and start in one array
     # (``per_device_rows``); out: each model's w and b as one block, and its facts
     "devices": ((ROWS, ROWS), (ROWS, ROWS)),
     # every device holds all rows and fits its own slice of the models
-    "models": ((REPL, REPL, REPL, MODELS, ROWS, ROWS), Fit(MODELS, ROWS, ROWS)),
+    "models": (Args(REPL, REPL, REPL, MODELS, ROWS, ROWS), Fit(MODELS, ROWS, ROWS)),
 }
 
 
@@ -97,14 +99,15 @@ def mapped_program(
     def build():
         in_specs, out_specs = _LAYOUTS[layout]
         if omega_spec is not None:
-            in_specs = (*in_specs[:2], omega_spec, *in_specs[3:])
+            in_specs = in_specs._replace(omega=omega_spec)
+        in_specs = (in_specs,) if isinstance(in_specs, Args) else in_specs
         scalar = (REPL,) * 2  # tol, lr
         state = (ROWS,) if resume else ()
         if spec.chunked:
             out_specs = (out_specs, ROWS)
 
-        def body(X, y, omega, W0, b0, l2, tol, lr, *resumed):  # omega, W0, b0 None: ones, zeros
-            out = solve(spec, X, y, omega, W0, b0, l2, tol, lr, *(r[0] for r in resumed))
+        def body(args, tol, lr, *resumed):  # omega, W0, b0 None: ones, zeros
+            out = solve(spec, args, tol, lr, *(r[0] for r in resumed))
             fit, packed = out if spec.chunked else (out, None)
             if layout == "devices":
                 # this device's model as one (d + 1, c) block, and its facts packed into one
@@ -113,8 +116,8 @@ def mapped_program(
             return (fit, packed[None]) if spec.chunked else fit
 
         def per_device(X, rows, tol, lr, *resumed):
-            y, l2, W0, b0 = _unrows(rows[None], *X.shape, spec.c)
-            return body(X, y[:, 0], None, W0, b0, l2, tol, lr, *resumed)
+            args = _unrows(rows[None], *X.shape, spec.c)
+            return body(args._replace(X=X, y=args.y[:, 0]), tol, lr, *resumed)
 
         mesh = _parallel.mesh(devices)
         program = jax.shard_map(
@@ -124,12 +127,39 @@ def mapped_program(
             out_specs=out_specs,
             check_vma=False,
         )
-        shardings = [jax.sharding.NamedSharding(mesh, s) for s in in_specs]
+        shardings = [
+            jax.tree_util.tree_map(
+                functools.partial(jax.sharding.NamedSharding, mesh), s, is_leaf=lambda x: isinstance(x, P)
+            )
+            for s in in_specs
+        ]
         shardings += [_parallel._sharding(devices, AXIS, None) for _ in scalar]
         shardings += [jax.sharding.NamedSharding(mesh, s) for s in state]
         return jax.jit(program, in_shardings=tuple(shardings), compiler_options=_compiler_options(spec))
 
     return _parallel._PROGRAMS.get(key, build)
+
+
+ARG_NAMES = Args("X", "y", "sample_weight", "init w", "init b", "l2")  # how messages name them
+
+
+def place_args(
+    parts: Args, axes: Args, n: int, targets: Targets, sizes: tuple, own: tuple = (), names: Args = ARG_NAMES
+) -> Args:
+    """The given parts (None: not given) laid out for one SPMD program, in one placement:
+    ``axes`` holds each part's split axis (None: shared), ``own`` the fields made for the call
+    (never the caller's: no private copies), ``names`` how messages name each part."""
+    given = [f for f, part in zip(Args._fields, parts, strict=True) if part is not None]
+    labels = [getattr(names, f) for f in given]
+    batch = Batch(
+        [getattr(parts, f) for f in given],
+        None,
+        tuple(getattr(axes, f) for f in given),
+        n,
+        labels.__getitem__,
+    )
+    placed = _parallel.place_spmd(batch, targets, sizes, own=[i for i, f in enumerate(given) if f in own])
+    return Args(*(None,) * len(Args._fields))._replace(**dict(zip(given, placed, strict=True)))
 
 
 # -- checking inputs -----------------------------------------------------------------------

@@ -1,0 +1,200 @@
+"""The logistic-regression solver's pieces on their own: the objective's derivatives, the L-BFGS
+direction and its pair memory, the line search, the Newton step and the argument packing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mgkit.logreg import _objective as ob
+from mgkit.logreg import _solver as sv
+
+
+def _problem(c: int, M: int = 2, n: int = 40, d: int = 3, seed: int = 0) -> ob.Problem:
+    rng = np.random.default_rng(seed)
+    X = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, max(c, 2), n), jnp.int32)
+    omega = jnp.asarray(rng.uniform(0.5, 2.0, (n, 1)), jnp.float32)
+    l2 = jnp.asarray([0.01, 0.1][:M], jnp.float32)
+    return ob.problem(X, y, omega, l2, c, reduce=False, fused=False, stacked=False)
+
+
+def _objective_of(pb: ob.Problem):
+    _, d, c = ob.sizes(pb)
+
+    def f(v):  # flat (M, p) -> summed objective
+        W, b = ob.unflat(v, d, c)
+        return jnp.sum(ob.value(pb, ob.scores(pb, W, b), W))
+
+    return f
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_gradient_and_hessian_are_the_objectives_derivatives(c):
+    pb = _problem(c)
+    M, d, _ = ob.sizes(pb)
+    v = jnp.asarray(np.random.default_rng(1).standard_normal((M, (d + 1) * c)), jnp.float32)
+    W, b = ob.unflat(v, d, c)
+    Z = ob.scores(pb, W, b)
+    f = _objective_of(pb)
+    np.testing.assert_allclose(ob.gradient(pb, Z, W), jax.grad(f)(v), rtol=1e-4, atol=1e-6)
+    H = sv.newton_system(pb, Z)
+    dense = jax.hessian(f)(v)  # (M, p, M, p): models are independent
+    want = jnp.stack([dense[m, :, m, :] for m in range(M)])
+    if c > 1:  # the system pins the shift of every intercept alike (1 / c on the intercepts' block)
+        want = want.at[:, d * c :, d * c :].add(1.0 / c)
+    np.testing.assert_allclose(H, want, rtol=1e-4, atol=1e-6)
+
+
+def test_line_derivatives_are_the_data_terms_slope_and_curvature():
+    pb = _problem(3)
+    M, _, c = ob.sizes(pb)
+    rng = np.random.default_rng(2)
+    Z = jnp.asarray(rng.standard_normal((M, c, 40)), jnp.float32)
+    D = jnp.asarray(rng.standard_normal((M, c, 40)), jnp.float32)
+    along = lambda t: ob.data_term(pb, Z + t[:, None, None] * D)  # noqa: E731
+    t = jnp.asarray([0.3, -0.2], jnp.float32)
+    slope, curve = ob.line_derivatives(pb, Z + t[:, None, None] * D, D)
+    np.testing.assert_allclose(slope, jnp.diag(jax.jacfwd(along)(t)), rtol=1e-4, atol=1e-6)
+    second = jax.jacfwd(lambda s: jnp.diag(jax.jacfwd(along)(s)))(t)
+    np.testing.assert_allclose(curve, jnp.diag(second), rtol=1e-3, atol=1e-6)
+
+
+# -- L-BFGS ----------------------------------------------------------------------------------
+
+
+def _dense_bfgs_inverse(pairs: list, p: int) -> np.ndarray:
+    """The BFGS inverse Hessian from the same pairs (oldest first), starting from gamma I with
+    gamma = s'y / y'y of the newest pair (Nocedal & Wright, eq. 6.17 and 7.20)."""
+    s, y = pairs[-1]
+    H = (s @ y) / (y @ y) * np.eye(p)
+    for s, y in pairs:
+        rho = 1.0 / (s @ y)
+        V = np.eye(p) - rho * np.outer(y, s)
+        H = V.T @ H @ V + rho * np.outer(s, s)
+    return H
+
+
+@pytest.mark.parametrize("k", [1, 4, sv._MEMORY, sv._MEMORY + 3])
+def test_lbfgs_direction_equals_the_dense_bfgs_inverse_from_the_same_pairs(k):
+    rng = np.random.default_rng(k)
+    p = 12
+    Q = rng.standard_normal((p, p))
+    A = Q @ Q.T / p + np.eye(p)  # a quadratic's Hessian: y = A s
+    kept = []
+    with jax.enable_x64(True):
+        pairs = sv.empty_pairs(1, p, sv._MEMORY, jnp.float64)
+        for _ in range(k):
+            s = rng.standard_normal(p)
+            y = A @ s
+            kept.append((s, y))
+            keep = jnp.asarray([True])
+            pairs = sv.remember(pairs, keep, jnp.asarray(s)[None], jnp.asarray(y)[None], jnp.asarray([s @ y]))
+        g = rng.standard_normal(p)
+        got = np.asarray(sv.lbfgs_direction(pairs, jnp.asarray(g)[None]))[0]
+    want = -_dense_bfgs_inverse(kept[-sv._MEMORY :], p) @ g
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_lbfgs_direction_without_pairs_is_a_unit_step_down_the_gradient():
+    g = jnp.asarray([[3.0, 4.0], [0.0, 0.0]], jnp.float32)
+    step = sv.lbfgs_direction(sv.empty_pairs(2, 2, sv._MEMORY, jnp.float32), g)
+    np.testing.assert_allclose(step, [[-0.6, -0.8], [0.0, 0.0]], rtol=1e-6)
+
+
+def test_remember_keeps_the_pair_only_for_the_models_that_keep_it():
+    p = 3
+    pairs = sv.empty_pairs(2, p, 4, jnp.float32)
+    s = jnp.asarray([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], jnp.float32)
+    new = sv.remember(pairs, jnp.asarray([True, False]), s, 2 * s, jnp.asarray([2.0, 2.0]))
+    np.testing.assert_allclose(new.SY[0, 0], s[0])
+    np.testing.assert_allclose(new.SY[0, 4], 2 * s[0])
+    np.testing.assert_allclose(new.Rinv[0, 0, 0], 0.5)
+    for a, b in zip(new, pairs, strict=True):
+        np.testing.assert_array_equal(a[1], b[1])
+
+
+# -- the line search ---------------------------------------------------------------------------
+
+
+def _lines(t):
+    """Three 1-D functions of step lengths t (..., 3): a parabola with its minimum at 0.3, one
+    with its minimum at 0.001 (many halvings), and one that only rises (no step passes)."""
+    return jnp.stack([(t[..., 0] - 0.3) ** 2, (t[..., 1] - 1e-3) ** 2, t[..., 2] ** 2 + t[..., 2]], axis=-1)
+
+
+_F0 = jnp.asarray([0.09, 1e-6, 0.0])
+_SLOPE = jnp.asarray([-0.6, -2e-3, -1.0])  # the third claims descent, but the function rises
+
+
+@pytest.mark.parametrize("search", [sv.backtrack, sv.backtrack_at_once])
+def test_backtracking_halves_until_sufficient_decrease(search):
+    t0, slack = jnp.ones(3), jnp.zeros(3)
+    active = jnp.asarray([True, True, True])
+    t, f_t, ok = search(_lines, t0, _F0, _SLOPE, slack, active)
+    # parabola: t = 1 gives 0.49 > 0.09; t = 1/2 gives 0.04 <= 0.09 - 1e-4 * 0.5 * 0.6
+    assert float(t[0]) == 0.5 and float(f_t[0]) == pytest.approx(0.04)
+    # the second: 2**-8 gives 3.6e-6 > 1e-6; 2**-9 gives 9.1e-7, below 1e-6 less 1e-4 * t * 2e-3
+    assert float(t[1]) == 2.0**-9
+    assert bool(ok[0]) and bool(ok[1]) and not bool(ok[2])
+    if search is sv.backtrack:
+        assert float(t[2]) == 2.0**-sv.BACKTRACKS  # gave up after every halving
+
+
+def test_the_line_search_loop_contract():
+    s = sv.search_init(_lines, jnp.ones(3), _F0, _SLOPE, jnp.zeros(3), jnp.asarray([True, False, True]))
+    assert s.ok.tolist() == [False, True, False]  # an inactive line passes at once
+    assert bool(sv.search_cond(s))
+    s = sv.search_step(_lines, s)
+    assert int(s.k) == 1 and s.t.tolist() == [0.5, 1.0, 0.5] and s.ok.tolist() == [True, True, False]
+    s = sv.search_step(_lines, s)
+    assert s.t.tolist() == [0.5, 1.0, 0.25]  # lines that passed keep their t
+
+
+def test_newton_length_lands_on_a_parabolas_minimum():
+    def derivatives(t):  # (t - 0.3)^2 and (t - 5)^2
+        return 2 * (t - jnp.asarray([0.3, 5.0])), jnp.full_like(t, 2.0)
+
+    t = sv.newton_length(derivatives, jnp.ones(2), rounds=1)
+    np.testing.assert_allclose(t, [0.3, 5.0], rtol=1e-6)
+    far = sv.newton_length(lambda t: (2 * (t - 100.0), jnp.full_like(t, 2.0)), jnp.ones(1), rounds=1)
+    assert float(far[0]) == 16.0  # at most a factor 16 a round
+
+
+# -- the Newton step ---------------------------------------------------------------------------
+
+
+def test_newton_direction_solves_the_system():
+    rng = np.random.default_rng(3)
+    Q = rng.standard_normal((2, 6, 6))
+    H = Q @ np.swapaxes(Q, 1, 2) + 0.5 * np.eye(6)
+    g = rng.standard_normal((2, 6))
+    with jax.enable_x64(True):
+        step = np.asarray(sv.newton_direction(jnp.asarray(H), jnp.asarray(g)))
+    want = -np.linalg.solve(H, g[..., None])[..., 0]
+    # damped by 1e-6 of the largest diagonal entry: close to the undamped solution
+    np.testing.assert_allclose(step, want, rtol=1e-3, atol=1e-4 * np.abs(want).max())
+    damp = 1e-6 * H.diagonal(axis1=1, axis2=2).max(1) + np.finfo(np.float64).eps
+    damped = H + damp[:, None, None] * np.eye(6)
+    np.testing.assert_allclose(step, -np.linalg.solve(damped, g[..., None])[..., 0], rtol=1e-10)
+
+
+def test_newton_direction_falls_back_to_the_gradient_where_the_system_is_not_finite():
+    H = jnp.stack([jnp.eye(2), jnp.full((2, 2), jnp.nan)])
+    g = jnp.asarray([[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_allclose(sv.newton_direction(H, g), [[-1.0, -2.0], [-3.0, -4.0]], rtol=1e-5)
+
+
+# -- the loop and the programs' arguments ------------------------------------------------------
+
+
+def test_solve_takes_its_arrays_by_name_and_converges():
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((60, 3)).astype(np.float32)
+    y = (X[:, 0] - X[:, 1] > 0).astype(np.int32)
+    spec = sv.Spec("newton", 1, 50, 50, False, False)
+    args = sv.Args(X, y, None, None, None, np.asarray([0.05], np.float32))
+    fit = jax.jit(lambda a: sv.solve(spec, a, 1e-6, 0.1))(args)
+    pb = ob.problem(jnp.asarray(X), jnp.asarray(y), None, jnp.asarray([0.05]), 1, False, False, False)
+    g = ob.gradient(pb, ob.scores(pb, fit.W, fit.b), fit.W)
+    assert float(jnp.max(jnp.abs(g))) < 1e-5
