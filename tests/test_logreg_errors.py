@@ -187,7 +187,7 @@ def test_c_still_rejects_other_values(C):
 # -- Ctrl-C --------------------------------------------------------------------------------
 
 _INTERRUPT = """
-import os, signal, threading, time, warnings
+import os, signal, sys, threading, time, warnings
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
@@ -221,7 +221,12 @@ for attempt in range(2):  # the first compiles the long fit's programs
         raise SystemExit("the fit ended before the interrupt")
     except KeyboardInterrupt:
         late = time.perf_counter() - t - 2.0
-    print("interrupt", attempt, round(late, 3), "next fit", round(small(), 3), flush=True)
+    time.sleep(1.5)  # the call in flight ends on its own: a chunk, not the rest of the fit
+    cpu = time.process_time()
+    time.sleep(1.0)
+    busy = time.process_time() - cpu  # CPU seconds spent by abandoned work in the second after
+    print("interrupt", attempt, round(late, 3), "next fit", round(small(), 3), "busy", round(busy, 3))
+sys.stdout.flush()
 os._exit(0)  # XLA's CPU runtime can abort at exit after an interrupted call (not what is tested here)
 """
 
@@ -236,8 +241,9 @@ def test_ctrl_c_returns_at_once_and_the_next_fit_does_not_wait(which, solver):
     lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("interrupt")]
     assert len(lines) == 2, proc.stdout
     for line in lines:
-        late, next_fit = float(line[2]), float(line[5])
+        late, next_fit, busy = float(line[2]), float(line[5]), float(line[7])
         assert late < 1.0, proc.stdout  # Ctrl-C returned within a second
+        assert busy < 0.3, proc.stdout  # no abandoned work left running 1.5 s after it
         assert next_fit < 1.5, proc.stdout  # the next fit waited for no abandoned work
 
 
