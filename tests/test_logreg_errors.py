@@ -221,11 +221,12 @@ for attempt in range(2):  # the first compiles the long fit's programs
         raise SystemExit("the fit ended before the interrupt")
     except KeyboardInterrupt:
         late = time.perf_counter() - t - 2.0
+    next_fit = small()
     time.sleep(1.5)  # the call in flight ends on its own: a chunk, not the rest of the fit
     cpu = time.process_time()
     time.sleep(1.0)
     busy = time.process_time() - cpu  # CPU seconds spent by abandoned work in the second after
-    print("interrupt", attempt, round(late, 3), "next fit", round(small(), 3), "busy", round(busy, 3))
+    print("interrupt", attempt, round(late, 3), "next fit", round(next_fit, 3), "busy", round(busy, 3))
 sys.stdout.flush()
 os._exit(0)  # XLA's CPU runtime can abort at exit after an interrupted call (not what is tested here)
 """
