@@ -211,8 +211,14 @@ def small():
     t = time.perf_counter()
     lr.fit(X[:50], y[:50], l2=0.1, progress=False)
     return time.perf_counter() - t
+def compiles_done():  # compiles an interrupt left running go on in helper threads
+    end = time.perf_counter() + 200
+    while any(t.name == "mgkit-compile" for t in threading.enumerate()) and time.perf_counter() < end:
+        time.sleep(0.05)
 small()
-for attempt in range(2):  # the first compiles the long fit's programs
+# attempts 0 and 1 compile the long fit's first and resuming programs (interrupted there,
+# the compile goes on in the background, and is awaited); 2 and 3 interrupt running chunks
+for attempt in range(4):
     timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     t = time.perf_counter()
     timer.start()
@@ -222,7 +228,8 @@ for attempt in range(2):  # the first compiles the long fit's programs
     except KeyboardInterrupt:
         late = time.perf_counter() - t - 2.0
     next_fit = small()
-    time.sleep(1.5)  # the call in flight ends on its own: a chunk, not the rest of the fit
+    compiles_done()
+    time.sleep(1.0)  # the call in flight ends on its own: a chunk, not the rest of the fit
     cpu = time.process_time()
     time.sleep(1.0)
     busy = time.process_time() - cpu  # CPU seconds spent by abandoned work in the second after
@@ -240,12 +247,12 @@ def test_ctrl_c_returns_at_once_and_the_next_fit_does_not_wait(which, solver):
     proc = run_python(_INTERRUPT.format(which=which, solver=solver), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("interrupt")]
-    assert len(lines) == 2, proc.stdout
+    assert len(lines) == 4, proc.stdout
     for line in lines:
         late, next_fit, busy = float(line[2]), float(line[5]), float(line[7])
-        assert late < 1.0, proc.stdout  # Ctrl-C returned within a second
-        assert busy < 0.3, proc.stdout  # no abandoned work left running 1.5 s after it
+        assert late < 1.0, proc.stdout  # Ctrl-C returned within a second, compiling or running
         assert next_fit < 1.5, proc.stdout  # the next fit waited for no abandoned work
+        assert busy < 0.3, proc.stdout  # and none was left running a second later
 
 
 def test_an_interrupt_without_a_signal_is_seen_too():
@@ -255,7 +262,7 @@ def test_an_interrupt_without_a_signal_is_seen_too():
     proc = run_python(code.format(which="fit", solver="gd"), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lates = [float(ln.split()[2]) for ln in proc.stdout.splitlines() if ln.startswith("interrupt")]
-    assert len(lates) == 2 and max(lates) < 1.0, proc.stdout
+    assert len(lates) == 4 and max(lates) < 1.0, proc.stdout
 
 
 def test_no_warning_leaks_from_these_checks(model):
