@@ -14,7 +14,7 @@ from .._parallel import Targets
 from ._checks import check_finite
 from ._model import ConvergenceWarning
 from ._programs import mapped_program
-from ._results import Facts, last_losses
+from ._results import Facts, last_losses, merged
 from ._solver import Spec
 
 
@@ -72,16 +72,20 @@ def drive(jobs: list[Job], run: _progress.Run, progress, facts_of: Callable, own
     """Waits for the jobs (``_progress.wait``: Ctrl-C works, a bar once the fit has run for a
     second) and resumes the chunked ones while a model runs on, recording each context's step
     between calls. Returns the facts of the last calls, ``facts_of(results)``, which fetches
-    them at once: a fit within one call (the usual case) costs one fetch."""
+    them at once (a fit within one call, the usual case, costs one fetch), with the history
+    of every call joined."""
     for job in jobs:
         run.begin(job.work.began, job.contexts)
+    history = None  # each call returns its own iterations' objective: the host joins them
     while True:
         _progress.wait([job.work for job in jobs], run, progress)
         for job in jobs:
             run.end(job.work.ended, job.contexts)
         facts = facts_of([job.result for job in jobs])
+        history = merged(history, facts)
+        facts = facts._replace(hist=history, base=np.zeros_like(facts.base))
         if not facts.more.any():
-            return facts
+            return facts._replace(hist=history[:, : int(facts.its.max()) + 1])
         run.steps(_steps(facts, owners, last_losses(facts)))
         for job in jobs:
             if job.spec.chunked and job.running():

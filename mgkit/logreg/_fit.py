@@ -73,10 +73,17 @@ def fit(
         sample_weight, n is their sum); ``C=np.inf`` is no penalty (``l2=0``), as in scikit-learn.
       sample_weight: (n,) non-negative row weights (the mean becomes a weighted mean, so only
         their ratios matter: they are scaled to a mean of one on the host, in float64).
-      solver: ``"auto"`` (Newton when the Hessian is small, else L-BFGS), ``"newton"``,
+      solver: ``"auto"`` (Newton when the Hessian is small, else L-BFGS: the same choice in
+        every layout), ``"newton"``,
         ``"lbfgs"``, or ``"gd"``: fixed ``learning_rate`` for exactly ``max_iter`` steps.
       max_iter: iterations at most (gd: steps). Default 100 (newton), 1000 (lbfgs), 10000 (gd).
-      tol: stop when every gradient component is at most this.
+      tol: the stopping rule, the same in every layout: Newton and L-BFGS stop when every
+        gradient component is at most ``tol`` and the estimated distance to the minimum
+        objective (the decrement ``-g . d / 2`` of the next step d) is at most ``tol`` times the
+        objective. Newton's estimate is second order; L-BFGS's uses its inverse-Hessian
+        approximation and can understate the distance a few times on ill-conditioned problems
+        (use ``solver="newton"`` or a smaller tol there). gd: converged when every gradient
+        component is at most ``tol`` (it takes its fixed steps regardless).
       learning_rate: gd's step size.
       init: a Model or ``(w, b)`` to start from (default zeros).
       contexts: context names, a count (the first n) or None for every context in the map.
@@ -407,10 +414,6 @@ def fit_many(
     targets = Targets(targets.names[:used], targets.devices[:used], targets.spmd)
     platform, per = targets.devices[0].platform, -(-k_models // used)
     spec = make_spec(opts, d, c, platform, False, rows=n, models=per, held=n * used)
-    if opts.solver == "auto" and spec.solver == "newton" and platform == "cpu":
-        # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
-        # simulated device; L-BFGS needs no factorisation.
-        spec = make_spec(opts._replace(solver="lbfgs"), d, c, platform, False, n, per, n * used)
     chunks = [per] * used if targets.spmd else list(_parallel.shares(k_models, used))
     padded = sum(chunks)
     order = list(range(k_models)) + [k_models - 1] * (padded - k_models)  # repeats the last model
@@ -419,43 +422,59 @@ def fit_many(
     W0, b0 = np.zeros((d, padded, c), dtype), np.zeros((padded, c), dtype)
     run = progress_run("logreg.fit_many", targets, [n] * used, chunks, spec)
     try:
-        if targets.spmd:
-            axes = Args(None, None, None if counts is None else 1, 1, 0, 0)
-            parts = Args(X, y_idx, omega, W0, b0, pen)
-            placed = place_args(
-                parts, axes, padded, targets, tuple(chunks), names=ARG_NAMES._replace(omega="rows")
-            )
-            omega_spec = REPL if counts is None else MODELS
-            devices = targets.devices
-            args = (placed, *scalar_args(opts, dtype, devices))
-            jobs = [mapped_job(spec, devices, "models", args, omega_spec)]
-            slots = [(0, j) for j in range(k_models)]  # (job, model in its fit) of each model
-        else:
-            jobs, start, slots = [], 0, []
-            scalars = scalar_args(opts, dtype)
-            for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
-                part = slice(start, start + m)
-                start += m
-                om = omega if counts is None else omega[:, part]
-                args = Args(X, y_idx, om, W0[:, part], b0[part], pen[part])
-                args = Args(*place(list(args), ctx, device, "replicate"))
-                program = local_program(spec)
-                jobs.append(Job(spec, lambda _, program=program: program, (args, *scalars), [i]))
-                slots += [(i, j) for j in range(m)]
-            slots = slots[:k_models]
+        jobs, slots = _many_jobs(
+            Args(X, y_idx, omega, W0, b0, pen), counts is not None, targets, chunks, spec, opts
+        )
+        slots = slots[:k_models]
         owners = np.repeat(np.arange(len(chunks)), chunks)[:k_models]
         facts = drive(jobs, run, opts.progress, lambda fits: fetch_facts(fits, slots), owners)
-        first, device = targets.names[0], targets.devices[0]
-        if targets.spmd:
-            got = {"from": "+".join(targets.names)}
-            W, b = place(list(jobs[0].result[:2]), first, device, "gather", got)
-        else:
-            moved = [place(list(job.result[:2]), first, device, "gather") for job in jobs]
-            W, b = (jnp.concatenate(f, axis=1 - j) for j, f in enumerate(zip(*moved, strict=True)))
-        out = Fit(W, b, None)
+        out = Fit(*_gathered(jobs, targets), None)
         labels = [f"model {j}" for j in range(k_models)]
         conclude(run, facts, labels, owners, where, spec.solver, ([X], ["X"]))
     finally:
         run.close()
     info = facts.info(slice(None), pen[:k_models], spec.solver)
     return model_of(out, slice(0, k_models), classes, info, c)
+
+
+def _many_jobs(
+    parts: Args, drawn: bool, targets: Targets, chunks: list, spec, opts
+) -> tuple[list[Job], list]:
+    """``fit_many``'s jobs: one SPMD program, each device fitting its chunk of the models on all
+    the rows, or one program per context. ``parts``: every model's arrays (row weights per
+    model when ``drawn``: bootstrap counts). Returns the jobs and, per model, (its job, its
+    index in the job's fit)."""
+    dtype = parts.l2.dtype
+    if targets.spmd:
+        axes = Args(None, None, 1 if drawn else None, 1, 0, 0)
+        names = ARG_NAMES._replace(omega="rows")
+        placed = place_args(parts, axes, sum(chunks), targets, tuple(chunks), names=names)
+        args = (placed, *scalar_args(opts, dtype, targets.devices))
+        job = mapped_job(spec, targets.devices, "models", args, MODELS if drawn else REPL)
+        return [job], [(0, j) for j in range(sum(chunks))]
+    jobs, start, slots = [], 0, []
+    scalars = scalar_args(opts, dtype)
+    for i, (ctx, device, m) in enumerate(zip(targets.names, targets.devices, chunks, strict=True)):
+        part = slice(start, start + m)
+        start += m
+        mine = parts._replace(
+            omega=parts.omega[:, part] if drawn else parts.omega,
+            W0=parts.W0[:, part],
+            b0=parts.b0[part],
+            l2=parts.l2[part],
+        )
+        args = Args(*place(list(mine), ctx, device, "replicate"))
+        program = local_program(spec)
+        jobs.append(Job(spec, lambda _, program=program: program, (args, *scalars), [i]))
+        slots += [(i, j) for j in range(m)]
+    return jobs, slots
+
+
+def _gathered(jobs: list[Job], targets: Targets) -> tuple:
+    """``fit_many``'s W and b, every model's, on the first context."""
+    first, device = targets.names[0], targets.devices[0]
+    if targets.spmd:
+        got = {"from": "+".join(targets.names)}
+        return tuple(place(list(jobs[0].result[:2]), first, device, "gather", got))
+    moved = [place(list(job.result[:2]), first, device, "gather") for job in jobs]
+    return tuple(jnp.concatenate(f, axis=1 - j) for j, f in enumerate(zip(*moved, strict=True)))

@@ -26,8 +26,8 @@ class FitInfo:
     axis of K models for ``fit_many``.
 
     Attributes:
-      loss: the objective at each iteration (index 0: the initial model), NaN after the last;
-        ``history()`` gives the filled part.
+      loss: the objective at each iteration run (index 0: the initial model), NaN after a
+        model's last (stacked models stop on their own); ``history()`` gives the filled part.
       iterations: iterations run.
       converged: whether the gradient reached the tolerance.
       grad_norm: the largest absolute gradient component at the returned model.

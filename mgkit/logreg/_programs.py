@@ -198,7 +198,13 @@ def make_spec(
     # on an H100: 2.0 ms, not 2.3); on a CPU, or for many rows, each trial's work counts (100k
     # x 100 on a CPU: 150 ms a fit, not 83).
     batched = platform != "cpu" and rows * models * c * (BACKTRACKS + 1) <= _BATCHED_TRIALS
-    return Spec(solver, c, max_iter, every, reduce, fused, short_sums=short, batched_search=batched)
+    # XLA's CPU batched Cholesky can deadlock its worker threads with several models per
+    # simulated device: their Newton systems are solved by XLA operations instead, so "auto"
+    # picks the same solver for a problem whatever the layout.
+    own = solver == "newton" and platform == "cpu" and models > 1
+    return Spec(
+        solver, c, max_iter, every, reduce, fused, short_sums=short, batched_search=batched, own_solve=own
+    )
 
 
 _BATCHED_TRIALS = 1 << 22  # per-row values (rows x models x classes x lengths) for all step lengths at once
@@ -252,7 +258,12 @@ def iterations_per_call(
     if reduce and devices > 1:  # measured with the devices sharing the cores
         seconds += _SUM_SECONDS.get(platform, _SUM_SECONDS_ACCEL) * devices * (1 if solver == "gd" else 2)
     per_iteration = work + seconds * budget / _CALL_SECONDS  # in units of work
-    return max(1, math.floor(budget / per_iteration))
+    return min(_MOST_PER_CALL, max(1, math.floor(budget / per_iteration)))
+
+
+# Iterations per call at most, whatever their work: a call's history holds one value per
+# iteration (and an iteration of the smallest fit still takes microseconds).
+_MOST_PER_CALL = 10_000
 
 
 def per_device_rows(parts, penalties, starts, dtype) -> np.ndarray:

@@ -17,7 +17,7 @@ INT_OF = {4: jnp.int32, 8: jnp.int64}  # the integer type as wide as each float 
 
 class Fit(NamedTuple):
     """A solver's results for M models: W (d, M, c), b (M, c) and what the host needs to know
-    of each fit, packed into one (M, max_iter + 5) array (``pack_facts``): one fetch, not five."""
+    of each fit, packed into one (M, span + 6) array (``pack_facts``): one fetch, not six."""
 
     W: Any
     b: Any
@@ -30,8 +30,9 @@ class Facts(NamedTuple):
     conv: np.ndarray  # (M,) bool
     grad: np.ndarray  # (M,) max |gradient| at the returned model
     its: np.ndarray  # (M,) int32
-    hist: Any  # (M, max_iter + 1) objective per iteration, NaN after the last (a list when fits differ)
+    hist: Any  # (M, T) objective per iteration from ``base`` on, NaN after the last (a list when fits differ)
     more: np.ndarray  # (M,) bool: still running (a chunked fit's call ended first)
+    base: np.ndarray  # (M,) the iteration of hist's first value: the call's first (0 once merged)
 
     def info(self, i: int | slice, l2: Any, solver: str) -> FitInfo:
         return FitInfo(self.hist[i], self.its[i], self.conv[i], self.grad[i], l2, solver)
@@ -44,25 +45,50 @@ def fetch_facts(fits: list, rows: list[tuple[int, int]]) -> Facts:
         index = [r for _, r in rows]
         return Facts(*(a[index] for a in got[0]))
     conv, grad, its = (np.stack([got[f][k][r] for f, r in rows]) for k in range(3))
-    return Facts(
-        conv, grad, its, [got[f].hist[r] for f, r in rows], np.stack([got[f].more[r] for f, r in rows])
-    )
+    hist = [got[f].hist[r] for f, r in rows]
+    more, base = (np.stack([got[f][k][r] for f, r in rows]) for k in (4, 5))
+    return Facts(conv, grad, its, hist, more, base)
 
 
-def pack_facts(hist, its, gmax, conv, more) -> jax.Array:
-    """M fits' facts as one (M, max_iter + 5) array (traced): the objective history, then
-    iterations (bit-cast: exact at any count), max |gradient|, converged and still running (a
-    chunked fit's call ended first)."""
+def pack_facts(hist, base, its, gmax, conv, more) -> jax.Array:
+    """M fits' facts as one (M, span + 6) array (traced): the call's objective history, then
+    the iteration it began at and the iterations run (both bit-cast: exact at any count), max
+    |gradient|, converged and still running (a chunked fit's call ended first)."""
     dtype = hist.dtype
-    its = jax.lax.bitcast_convert_type(its.astype(INT_OF[dtype.itemsize]), dtype)
-    cols = [its, gmax.astype(dtype), conv.astype(dtype), more.astype(dtype)]
+    whole = INT_OF[dtype.itemsize]
+    base = jnp.broadcast_to(base, its.shape)
+    base, its = (jax.lax.bitcast_convert_type(a.astype(whole), dtype) for a in (base, its))
+    cols = [base, its, gmax.astype(dtype), conv.astype(dtype), more.astype(dtype)]
     return jnp.concatenate([hist, jnp.stack(cols, axis=1)], axis=1)
 
 
 def unpack_facts(packed: np.ndarray) -> Facts:
     """``pack_facts``'s rows, fetched, as Facts."""
-    its = packed[:, -4].view(np.int32 if packed.dtype.itemsize == 4 else np.int64).astype(np.int32)
-    return Facts(packed[:, -2] > 0, packed[:, -3], its, packed[:, :-4], packed[:, -1] > 0)
+    whole = np.int32 if packed.dtype.itemsize == 4 else np.int64
+    base, its = (packed[:, k].view(whole).astype(np.int32) for k in (-5, -4))
+    return Facts(packed[:, -2] > 0, packed[:, -3], its, packed[:, :-5], packed[:, -1] > 0, base)
+
+
+def merged(history: np.ndarray | None, facts: Facts) -> np.ndarray:
+    """The objective per iteration so far, (M, T), NaN where not run: ``history`` (the earlier
+    calls', or None) with the calls' values in ``facts`` written at their iterations. A call
+    whose results come again (a job not resumed) writes the same values again."""
+    rows = [np.asarray(h) for h in facts.hist] if isinstance(facts.hist, list) else None
+    lengths = [len(h) for h in rows] if rows is not None else [facts.hist.shape[1]] * len(facts.base)
+    end = max(int(b) + n for b, n in zip(facts.base, lengths, strict=True))
+    dtype = facts.hist.dtype if rows is None else rows[0].dtype
+    out = np.full((len(facts.base), max(end, 0 if history is None else history.shape[1])), np.nan, dtype)
+    if history is not None:
+        out[:, : history.shape[1]] = history
+    if rows is None and len(set(facts.base.tolist())) == 1:  # one call's models: one copy
+        b = int(facts.base[0])
+        np.copyto(out[:, b : b + lengths[0]], facts.hist, where=~np.isnan(facts.hist))
+        return out
+    for r, (b, h) in enumerate(
+        zip(facts.base.tolist(), rows if rows is not None else facts.hist, strict=True)
+    ):
+        np.copyto(out[r, b : b + len(h)], h, where=~np.isnan(h))
+    return out
 
 
 def model_of(fit: Fit, i: int | slice, classes: np.ndarray, info: FitInfo, c: int) -> Model:

@@ -41,12 +41,18 @@ class Spec(NamedTuple):
     stacked: bool = False  # model m has its own rows: X (M, n, d), y (n, M)
     short_sums: bool = False  # a CPU program whose every sum is short: see ``_compiler_options``
     batched_search: bool = False  # every backtracking step length is tried at once: see ``make_spec``
+    own_solve: bool = False  # the Newton system solved by XLA ops, not LAPACK: see ``make_spec``
 
     @property
     def chunked(self) -> bool:
         """The fit may outlast one call: each call runs ``every`` iterations at most and returns
         the solver's state with its results, and the host resumes it (``drive``)."""
         return self.every < self.max_iter
+
+    @property
+    def span(self) -> int:
+        """Iterations per call at most: a call's history holds ``span + 1`` values."""
+        return min(self.every, self.max_iter)
 
 
 class Args(NamedTuple):
@@ -71,9 +77,14 @@ class State(NamedTuple):
     f: Any  # (M,) objective
     g: Any  # (M, p) gradient
     gmax: Any  # (M,) max |gradient|
+    d: Any  # (M, p) the next step's direction, from this point (its decrement: ``stops``)
     done: Any  # (M,) bool: converged, stalled or not finite: the model takes no more steps
     stalled: Any  # (M,) bool: the line search found no lower objective
-    hist: Any  # (M, max_iter + 1) objective per iteration, NaN where not run
+    conv: Any  # (M,) bool: the stopping rule holds (``stops``)
+    # not carried from call to call (``pack_state``): this call's own
+    base: Any  # () the iteration this call began at
+    hist: Any  # (M, span + 1) objective at iterations base, base + 1, ...; NaN where not run
+    # L-BFGS's pair memory (m = 0 for the other solvers)
     SY: Any  # L-BFGS: the last steps s_i and gradient changes y_i, (M, 2m, p), newest first
     Rinv: Any  # the inverse of R, R[i, j] = s_i . y_j for i >= j (pair i no newer than j), (M, m, m)
     YtY: Any  # y_i . y_j, (M, m, m)
@@ -87,14 +98,17 @@ class Pairs(NamedTuple):
     YtY: Any
 
 
-_KINDS = State(*"ii" + "f" * 6 + "bb" + "ffff")  # i: int32, b: bool, f: the fit's float type
+# i: int32, b: bool, f: the fit's float type, -: not carried from call to call
+_KINDS = State(*"ii" + "f" * 7 + "bbb" + "--" + "fff")
 
 
 def pack_state(st: State, dtype) -> jax.Array:
     """The solver's state as one flat array of its float type (integers bit-cast: exact), so a
-    call hands it to the next as one buffer per device, not fourteen."""
+    call hands it to the next as one buffer per device, not fifteen."""
     parts = []
     for a, kind in zip(st, _KINDS, strict=True):
+        if kind == "-":
+            continue
         if kind == "i":
             a = jax.lax.bitcast_convert_type(a.astype(INT_OF[jnp.dtype(dtype).itemsize]), dtype)
         parts.append(jnp.ravel(a).astype(dtype))
@@ -102,16 +116,21 @@ def pack_state(st: State, dtype) -> jax.Array:
 
 
 def unpack_state(flat: jax.Array, like: State) -> State:
-    """``pack_state``'s inverse; ``like`` holds each field's shape."""
+    """``pack_state``'s inverse; ``like`` holds each field's shape. The fields not carried are
+    a new call's: it begins at the carried iteration, with no history yet."""
     fields, at = [], 0
     for shape, kind in zip(like, _KINDS, strict=True):
+        if kind == "-":
+            fields.append(None)
+            continue
         size = math.prod(shape)
         a = flat[at : at + size].reshape(shape)
         at += size
         if kind == "i":
             a = jax.lax.bitcast_convert_type(a, INT_OF[a.dtype.itemsize]).astype(jnp.int32)
         fields.append(a > 0 if kind == "b" else a)
-    return State(*fields)
+    st = State(*fields)
+    return st._replace(base=st.it, hist=jnp.full(like.hist, jnp.nan, flat.dtype))
 
 
 # -- directions ----------------------------------------------------------------------------
@@ -187,23 +206,63 @@ def remember(pairs: Pairs, keep, s, yv, sy) -> Pairs:
 
 
 def newton_system(pb: Problem, Z) -> jax.Array:
-    """The objective's Hessian, (M, p, p); for the softmax, with the shift of every intercept
-    alike (which changes nothing) pinned."""
+    """The objective's Hessian, (M, p, p). The softmax is unchanged when the same vector is
+    added to every class's weights and intercepts, a flat direction of the objective: the
+    system adds 1 / c to every (feature, feature) block of classes, so its steps are free of
+    that shift (the gradient has none: its sum over classes is zero) and the iterates stay
+    symmetric, as scikit-learn's are, at any penalty (``symmetric``)."""
     _, d, c = ob.sizes(pb)
     H = ob.hessian(pb, Z) + jax.vmap(jnp.diag)(2 * pb.l2[:, None] * ob.penalised(pb))
     if c > 1:
-        H = H.at[:, d * c :, d * c :].add(1.0 / c)
+        H = H + jnp.kron(jnp.eye(d + 1, dtype=H.dtype), jnp.full((c, c), 1.0 / c, H.dtype))
     return H
 
 
-def newton_direction(H: jax.Array, g: jax.Array) -> jax.Array:
-    """-H^-1 g, (M, p), by Cholesky, H damped by 1e-6 of its largest diagonal entry (plus the
-    float type's epsilon); -g for a model whose factorisation fails."""
+def symmetric(W, b) -> tuple:
+    """Softmax parameters (W (d, M, c), b (M, c)) less their mean over the classes: the same
+    probabilities, sums over classes of zero (scikit-learn's solution when the penalty does not
+    fix them), and no larger a penalty."""
+    return W - W.mean(axis=-1, keepdims=True), b - b.mean(axis=-1, keepdims=True)
+
+
+def cholesky_solve(A: jax.Array, r: jax.Array) -> jax.Array:
+    """A^-1 r for symmetric positive definite A (M, p, p), r (M, p), by a Cholesky
+    factorisation written in XLA operations (p steps of a column each), not LAPACK's: XLA's
+    CPU batched Cholesky can deadlock its worker threads with several models per simulated
+    device. NaN where A is not positive definite."""
+    p = r.shape[-1]
+    idx = jnp.arange(p)
+
+    def column(j, L):  # L's columns before j are done
+        v = A[:, :, j] - jnp.einsum("mik,mk->mi", L, L[:, j, :], precision=HI)
+        col = jnp.where(idx >= j, v / jnp.sqrt(v[:, j])[:, None], 0.0)
+        return L.at[:, :, j].set(col)
+
+    L = jax.lax.fori_loop(0, p, column, jnp.zeros_like(A))
+
+    def forward(i, z):  # L z = r
+        return z.at[:, i].set((r[:, i] - jnp.sum(L[:, i, :] * z, axis=1)) / L[:, i, i])
+
+    def backward(k, x):  # L' x = z
+        i = p - 1 - k
+        return x.at[:, i].set((z[:, i] - jnp.sum(L[:, :, i] * x, axis=1)) / L[:, i, i])
+
+    z = jax.lax.fori_loop(0, p, forward, jnp.zeros_like(r))
+    return jax.lax.fori_loop(0, p, backward, jnp.zeros_like(r))
+
+
+def newton_direction(H: jax.Array, g: jax.Array, own_solve: bool = False) -> jax.Array:
+    """-H^-1 g, (M, p), by Cholesky (LAPACK's, or with ``own_solve`` ``cholesky_solve``), H
+    damped by 1e-6 of its largest diagonal entry (plus the float type's epsilon); -g for a
+    model whose factorisation fails."""
     p = H.shape[-1]
     eps = float(jnp.finfo(H.dtype).eps)
     damp = 1e-6 * jnp.max(jnp.diagonal(H, axis1=1, axis2=2), axis=1) + eps
-    L = jnp.linalg.cholesky(H + damp[:, None, None] * jnp.eye(p, dtype=H.dtype))
-    step = -jax.scipy.linalg.cho_solve((L, True), g[..., None])[..., 0]
+    H = H + damp[:, None, None] * jnp.eye(p, dtype=H.dtype)
+    if own_solve:
+        step = -cholesky_solve(H, g)
+    else:
+        step = -jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(H), True), g[..., None])[..., 0]
     ok = jnp.all(jnp.isfinite(step), axis=1, keepdims=True)
     return jnp.where(ok, step, -g)
 
@@ -291,7 +350,7 @@ def gd_iteration(pb: Problem, lr, st: State) -> State:
     f, g = ob.value(pb, Z, st.W), ob.gradient(pb, Z, st.W)
     gmax = jnp.max(jnp.abs(g), axis=1)
     W, b = ob.unflat(ob.flat(st.W, st.b) - lr * g, d, c)
-    hist = st.hist.at[:, st.it].set(f)
+    hist = st.hist.at[:, st.it - st.base].set(f)
     return st._replace(it=st.it + 1, its=st.its + 1, W=W, b=b, f=f, g=g, gmax=gmax, hist=hist)
 
 
@@ -318,18 +377,31 @@ def _step_length(pb: Problem, st: State, step, dW, D, active, batched: bool) -> 
     return search(value_at, t, st.f, slope, slack, active)
 
 
+def direction(pb: Problem, spec: Spec, st: State) -> jax.Array:
+    """The next step's direction from the state's point: Newton's or L-BFGS's, (M, p)."""
+    if spec.solver == "newton":
+        return newton_direction(newton_system(pb, st.Z), st.g, spec.own_solve)
+    return lbfgs_direction(Pairs(st.SY, st.Rinv, st.YtY), st.g)
+
+
+def stops(f, g, gmax, d, tol) -> jax.Array:
+    """The stopping rule of Newton and L-BFGS, (M,) bool: every gradient component at most
+    ``tol``, and the objective's estimated distance to its minimum, the decrement
+    -g . d / 2 of the next (quasi-)Newton step d, at most ``tol`` times the objective. For
+    Newton the decrement is the second-order estimate of f - min f; for L-BFGS it uses its
+    inverse-Hessian estimate."""
+    gap = -0.5 * jnp.sum(g * d, axis=1)
+    return (gmax <= tol) & (gap <= tol * jnp.abs(f))
+
+
 def search_iteration(pb: Problem, spec: Spec, tol, st: State) -> State:
-    """One Newton or L-BFGS iteration: the direction, its step length, the new gradient and
-    (L-BFGS) the pair memory. Models that are done take no step."""
+    """One Newton or L-BFGS iteration: a step along the state's direction, its length by line
+    search, the new gradient, (L-BFGS) the pair memory and the next direction, which decides
+    whether the model stops (``stops``). Models that are done take no step."""
     _, d, c = ob.sizes(pb)
     eps = float(jnp.finfo(st.f.dtype).eps)
     active = ~st.done
-    pairs = Pairs(st.SY, st.Rinv, st.YtY)
-    if spec.solver == "newton":
-        step = newton_direction(newton_system(pb, st.Z), st.g)
-    else:
-        step = lbfgs_direction(pairs, st.g)
-    step = jnp.where(active[:, None], step, 0.0)
+    step = jnp.where(active[:, None], st.d, 0.0)
     dW, db = ob.unflat(step, d, c)
     D = ob.scores(pb, dW, db)
     t, f_t, ok = _step_length(pb, st, step, dW, D, active, spec.batched_search)
@@ -341,21 +413,40 @@ def search_iteration(pb: Problem, spec: Spec, tol, st: State) -> State:
     f = jnp.where(ok & active, f_t, st.f)
     g = ob.gradient(pb, Z, W)
     gmax = jnp.max(jnp.abs(g), axis=1)
+    pairs = Pairs(st.SY, st.Rinv, st.YtY)
     if spec.solver == "lbfgs":
         s, yv = t[:, None] * step, g - st.g
         sy = jnp.sum(s * yv, axis=1)
         keep = active & (sy > eps * jnp.sqrt(jnp.sum(s * s, axis=1) * jnp.sum(yv * yv, axis=1)))
         pairs = remember(pairs, keep, s, yv, sy)
-    done = st.done | stalled | (gmax <= tol)
-    hist = st.hist.at[:, st.it + 1].set(jnp.where(active, f, jnp.nan))
+    hist = st.hist.at[:, st.it + 1 - st.base].set(jnp.where(active, f, jnp.nan))
     its = st.its + active.astype(st.its.dtype)
-    return State(st.it + 1, its, W, b, Z, f, g, gmax, done, st.stalled | stalled, hist, *pairs)
+    new = State(
+        st.it + 1,
+        its,
+        W,
+        b,
+        Z,
+        f,
+        g,
+        gmax,
+        st.d,
+        st.done,
+        st.stalled | stalled,
+        st.conv,
+        st.base,
+        hist,
+        *pairs,
+    )
+    new = new._replace(d=direction(pb, spec, new))
+    conv = st.conv | (active & ~stalled & stops(f, g, gmax, new.d, tol))
+    return new._replace(conv=conv, done=st.done | stalled | conv)
 
 
 def start_state(pb: Problem, spec: Spec, W0, b0, tol) -> State:
-    """The state at the start W0, b0: its scores, objective and gradient. A model whose first
-    gradient is already small enough, or not finite, is done (gd: every model stops when any
-    gradient is not finite; otherwise it takes its fixed steps)."""
+    """The state at the start W0, b0: its scores, objective, gradient and first direction. A
+    model for which the stopping rule already holds, or whose gradient is not finite, is done
+    (gd: every model stops when any gradient is not finite; otherwise it takes its fixed steps)."""
     M, d, c = ob.sizes(pb)
     n, dtype = pb.X.shape[-2], pb.l2.dtype
     # From zeros (the default start) the first scores are the intercepts: no pass over X.
@@ -368,12 +459,17 @@ def start_state(pb: Problem, spec: Spec, W0, b0, tol) -> State:
     # X makes it non-finite, and the fit stops at once (the host then names the bad value).
     finite0 = jnp.isfinite(gmax0)
     gd = spec.solver == "gd"
-    done = jnp.broadcast_to(~jnp.all(finite0), (M,)) if gd else (gmax0 <= tol) | ~finite0
-    hist0 = jnp.full((M, spec.max_iter + 1), jnp.nan, dtype)
+    hist0 = jnp.full((M, spec.span + 1), jnp.nan, dtype)
     hist0 = hist0 if gd else hist0.at[:, 0].set(f0)
     pairs = empty_pairs(M, (d + 1) * c, _MEMORY if spec.solver == "lbfgs" else 0, dtype)
-    its = jnp.zeros((M,), jnp.int32)
-    return State(jnp.int32(0), its, W0, b0, Z0, f0, g0, gmax0, done, jnp.zeros((M,), bool), hist0, *pairs)
+    no = jnp.zeros((M,), bool)
+    it, its = jnp.int32(0), jnp.zeros((M,), jnp.int32)
+    st = State(it, its, W0, b0, Z0, f0, g0, gmax0, jnp.zeros_like(g0), no, no, no, it, hist0, *pairs)
+    if gd:
+        return st._replace(done=jnp.broadcast_to(~jnp.all(finite0), (M,)))
+    st = st._replace(d=direction(pb, spec, st))
+    conv = stops(f0, g0, gmax0, st.d, tol) & finite0
+    return st._replace(conv=conv, done=conv | ~finite0)
 
 
 def state_shapes(pb: Problem, spec: Spec) -> State:
@@ -381,8 +477,8 @@ def state_shapes(pb: Problem, spec: Spec) -> State:
     M, d, c = ob.sizes(pb)
     n, p = pb.X.shape[-2], (d + 1) * c
     m = _MEMORY if spec.solver == "lbfgs" else 0
-    shapes = ((), (M,), (d, M, c), (M, c), (M, c, n), (M,), (M, p), (M,), (M,), (M,))
-    return State(*shapes, (M, spec.max_iter + 1), (M, 2 * m, p), (M, m, m), (M, m, m))
+    shapes = ((), (M,), (d, M, c), (M, c), (M, c, n), (M,), (M, p), (M,), (M, p), (M,), (M,), (M,), ())
+    return State(*shapes, (M, spec.span + 1), (M, 2 * m, p), (M, m, m), (M, m, m))
 
 
 def iterate(step: Callable[[State], State], start: State, stop) -> State:
@@ -404,23 +500,28 @@ def _rounding_floor(pb: Problem, st: State) -> jax.Array:
 
 
 def results(pb: Problem, spec: Spec, tol, st: State) -> Fit:
-    """The fit's model and facts (``pack_facts``) from the loop's last state."""
+    """The fit's model (softmax: ``symmetric``) and facts (``pack_facts``) from the loop's last
+    state; the history holds this call's iterations only."""
     M = pb.l2.shape[0]
     # The carried loss and gradient are the returned model's (scores are updated, not
     # recomputed: their rounding stays near float epsilon times the path length).
-    f, gmax = st.f, st.gmax
+    f, gmax, conv = st.f, st.gmax, st.conv
     if spec.solver == "gd":  # the carry holds the step before the last update: evaluate the last
         Z = ob.scores(pb, st.W, st.b)
         f, gmax = ob.value(pb, Z, st.W), jnp.max(jnp.abs(ob.gradient(pb, Z, st.W)), axis=1)
-    hist = st.hist.at[jnp.arange(M), st.its].set(f)  # models that stopped early: already there
-    conv = gmax <= tol
+        conv = gmax <= tol
+    # each model's last objective, unless it stopped in an earlier call
+    rows, at = jnp.arange(M), st.its - st.base
+    hist = st.hist.at[rows, jnp.maximum(at, 0)].set(jnp.where(at >= 0, f, st.hist[rows, jnp.maximum(at, 0)]))
     if spec.solver != "gd":
         # A line search that can no longer lower the objective has met float rounding: accept
         # the gradient if it is within rounding of the terms it sums (bounded per column).
         zero = jnp.zeros((M,), f.dtype)
         limit = jax.lax.cond(jnp.any(st.stalled), lambda: _rounding_floor(pb, st), lambda: zero)
         conv = conv | (st.stalled & (gmax <= limit))
-    return Fit(st.W, st.b, pack_facts(hist, st.its, gmax, conv, ~st.done & (st.it < spec.max_iter)))
+    W, b = symmetric(st.W, st.b) if spec.c > 1 else (st.W, st.b)
+    more = ~st.done & (st.it < spec.max_iter)
+    return Fit(W, b, pack_facts(hist, st.base, st.its, gmax, conv, more))
 
 
 def solve(spec: Spec, args: Args, tol, lr, resume=None) -> Fit | tuple[Fit, jax.Array]:
@@ -430,7 +531,8 @@ def solve(spec: Spec, args: Args, tol, lr, resume=None) -> Fit | tuple[Fit, jax.
     A chunked fit (``spec.chunked``) runs ``spec.every`` iterations at most and returns its
     results with its state packed (``pack_state``); ``resume`` is a state so returned, to go on
     from (the start is then not read). The host reports each context's step between calls: no
-    host callback runs inside the program, so every call takes jit's fast path.
+    host callback runs inside the program, so every call takes jit's fast path. Nothing a call
+    holds grows with ``max_iter``: its history is its own iterations'.
     """
     pb = ob.problem(args.X, args.y, args.omega, args.l2, spec.c, spec.reduce, spec.fused, spec.stacked)
     M, d, c = ob.sizes(pb)
