@@ -11,9 +11,11 @@ only then). Nothing here runs on the compute path.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -96,6 +98,61 @@ class Run:
         return Event("step", name, name, dev, dev, 0, time.time() - seconds, seconds, self.label, info)
 
 
+def compile(program: Any, args: tuple) -> None:
+    """Compiles the jitted ``program`` for ``args`` in a helper thread while the caller waits
+    in slices, so Ctrl-C works (XLA's compiler runs seconds without returning to Python, and a
+    signal is only seen when it does). Done once per program and kind of arguments (shapes,
+    dtypes, shardings); the call then finds the compiled program in jit's caches. An
+    interrupted compile runs on to its end and is kept (a later call waits for it, not for a
+    second compile); nothing is dispatched. A compile that fails is left to the call, which
+    raises its error. At exit, compiles still running are waited for: a thread stopped inside
+    the compiler aborts the process."""
+    kind = tuple(
+        (getattr(a, "shape", None), getattr(a, "dtype", type(a)), getattr(a, "sharding", None))
+        for a in jax.tree_util.tree_leaves(args)
+    )
+    try:
+        kinds = _compiled.setdefault(program, {})
+    except TypeError:  # not weakly referable: compiled by its call
+        return
+    done = kinds.get(kind)
+    if done is None:
+        done = kinds[kind] = threading.Event()
+
+        def run() -> None:
+            try:
+                program.lower(*args).compile()
+            except Exception:  # noqa: BLE001 - the call raises it, with its own traceback
+                pass
+            finally:
+                done.set()
+                _compiling.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name="mgkit-compile", daemon=True)
+        _compiling.add(thread)
+        thread.start()
+    while not done.wait(_REFRESH):
+        pass
+
+
+_compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # program -> {kind of arguments: done}
+_compiling: set[threading.Thread] = set()
+
+
+_in_flight: set[Work] = set()  # work a waiter thread is blocked on
+
+
+@atexit.register
+def _finish() -> None:
+    """At exit, waits for compiles and work left running by an interrupted wait (a chunk of a
+    fit is short): a thread stopped at exit inside XLA's compiler or a wait aborts the process
+    ("FATAL: exception not rethrown")."""
+    for thread in list(_compiling):
+        thread.join()
+    for work in list(_in_flight):
+        work.done.wait(60)
+
+
 def start(call: Callable[[], Any]) -> Work:
     """Calls ``call()``, which starts work on the devices, and returns the ``Work``. It began
     when the call returned if the call traced and compiled the program first (that takes
@@ -165,6 +222,7 @@ class _Waiter:
     def _run(self) -> None:
         while True:
             work = self._jobs.get()
+            _in_flight.add(work)
             try:
                 jax.block_until_ready(work.out)
                 work.ended = time.perf_counter()
@@ -172,6 +230,7 @@ class _Waiter:
                 work.failure = e
             with _Waiter._lock:
                 _Waiter._idle.append(self)
+            _in_flight.discard(work)
             work.done.set()
             work = None  # hold no results (or errors) between waits
 

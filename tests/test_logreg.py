@@ -625,7 +625,7 @@ _nan[3, 1] = np.nan
         (
             lambda: lr.fit(_X, _Y, sample_weight=-np.ones(20)),
             ValueError,
-            "sample_weight must be finite and >= 0",
+            r"sample_weight\[0\] is -1.0; every weight must be finite and >= 0",
         ),
         (
             lambda: lr.fit(_X, _Y, init=(np.zeros(4), 0.0)),

@@ -5,6 +5,7 @@ computing the outputs raised reaches the caller."""
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,3 +111,32 @@ def test_a_kept_waiter_whose_thread_is_gone_is_dropped():
     assert gate.thread is not gone._thread and gate.thread.is_alive()
     assert gone not in _progress._Waiter._idle
     run.close()
+
+
+def test_compile_runs_once_per_kind_of_arguments_and_the_call_reuses_it():
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(x.shape)
+        return x + 1
+
+    _progress.compile(f, (jnp.ones(3),))
+    _progress.compile(f, (jnp.ones(3),))  # known: returns at once
+    assert traces == [(3,)]
+    np.testing.assert_array_equal(f(jnp.ones(3)), np.full(3, 2.0))
+    assert traces == [(3,)]  # the call found the compiled program: no second trace
+    _progress.compile(f, (jnp.ones(4),))
+    assert traces == [(3,), (4,)]
+    for thread in [t for t in threading.enumerate() if t.name == "mgkit-compile"]:
+        thread.join(10)
+
+
+def test_a_compile_that_fails_is_left_to_the_call():
+    @jax.jit
+    def f(x):
+        raise ValueError("bad program")
+
+    _progress.compile(f, (jnp.ones(2),))  # the helper thread's error is not raised here
+    with pytest.raises(ValueError, match="bad program"):
+        f(jnp.ones(2))

@@ -29,14 +29,24 @@ def _steps(facts: Facts, owners, last: np.ndarray) -> list[tuple]:
 
 
 class Job:
-    """One compiled fit's calls: ``call()`` starts it; a chunked fit's call ends after
-    ``spec.every`` iterations, and ``call(state)`` goes on from the state the last call
-    returned, until no model runs on. ``contexts``: the indices of the contexts whose models
-    it fits (None: all); ``work``: its last call's work (``_progress.start``)."""
+    """One compiled fit's calls: ``program(resume)`` is the jitted program of a first call
+    (resume False) or of one that goes on from a state (True; a program may serve both), and
+    ``args`` its arguments. A chunked fit's call ends after ``spec.every`` iterations and
+    returns its state with its results; the next call takes that state last, until no model
+    runs on. ``contexts``: the indices of the contexts whose models it fits (None: all);
+    ``work``: its last call's work (``_progress.start``). A program that has not yet run on
+    arguments of this kind is compiled first, while Ctrl-C still works (``_progress.compile``)."""
 
-    def __init__(self, spec: Spec, call: Callable, contexts: Sequence[int] | None = None) -> None:
-        self.spec, self.call, self.contexts = spec, call, contexts
-        self.work = _progress.start(call)
+    def __init__(
+        self, spec: Spec, program: Callable, args: tuple, contexts: Sequence[int] | None = None
+    ) -> None:
+        self.spec, self.program, self.args, self.contexts = spec, program, args, contexts
+        self.work = self._start(())
+
+    def _start(self, state: tuple) -> _progress.Work:
+        program, args = self.program(bool(state)), (*self.args, *state)
+        _progress.compile(program, args)
+        return _progress.start(lambda: program(*args))
 
     @property
     def out(self) -> Any:
@@ -50,17 +60,12 @@ class Job:
         return bool(np.asarray(self.result[-1])[:, -1].any())  # packed facts last; "still running" last
 
     def resume(self) -> None:
-        state = self.out[1]
-        self.work = _progress.start(lambda: self.call(state))
+        self.work = self._start((self.out[1],))
 
 
 def mapped_job(spec: Spec, devices: tuple, layout: str, args: tuple, omega_spec: Any = None) -> Job:
     """A job of the layout's SPMD program on ``args`` (a resumed call: the resuming program)."""
-
-    def call(*state):
-        return mapped_program(spec, devices, layout, omega_spec, bool(state))(*args, *state)
-
-    return Job(spec, call)
+    return Job(spec, lambda resume: mapped_program(spec, devices, layout, omega_spec, resume), args)
 
 
 def drive(jobs: list[Job], run: _progress.Run, progress, facts_of: Callable, owners) -> Facts:

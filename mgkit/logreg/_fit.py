@@ -4,7 +4,6 @@ context) and ``fit_many`` (K models, several per device)."""
 from __future__ import annotations
 
 import collections
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -322,7 +321,9 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> 
         (rows,) = place([rows.reshape(len(members), -1)], targets.contexts[members[0]], "put")
         stacked = len(members) > 1
         program = per_device_program(spec, stacked)
-        jobs.append(Job(spec, functools.partial(program, Xs if stacked else Xs[0], rows, *scalars), members))
+        jobs.append(
+            Job(spec, lambda _, program=program: program, (Xs if stacked else Xs[0], rows, *scalars), members)
+        )
         for m, i in enumerate(members):
             slots[i] = (len(jobs) - 1, m)
     return jobs, slots
@@ -459,7 +460,8 @@ def _many_jobs(
             l2=parts.l2[part],
         )
         args = Args(*place(list(mine), ctx, "replicate"))
-        jobs.append(Job(spec, functools.partial(local_program(spec), args, *scalars), [i]))
+        program = local_program(spec)
+        jobs.append(Job(spec, lambda _, program=program: program, (args, *scalars), [i]))
         slots += [(i, j) for j in range(m)]
     return jobs, slots
 

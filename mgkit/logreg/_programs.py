@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -181,7 +182,9 @@ def make_spec(
         limit = NEWTON_MAX_PARAMS.get(platform, NEWTON_MAX_PARAMS_ACCEL)
         solver = "newton" if (d + 1) * c <= limit else "lbfgs"
     max_iter = opts.max_iter or MAX_ITER[solver]
-    every = iterations_per_call(solver, d, c, platform, rows * models)
+    # held rows over rows per device: the devices the fit runs on
+    devices = max(1, round(held / max(rows, 1)))
+    every = iterations_per_call(solver, d, c, platform, rows * models, devices, reduce)
     # XLA's CPU backend reads an X that is streamed from memory faster with the fused forms
     # (100k x 100: 0.8 + 1.4 ms a pass against 1.0 + 2.0; the same rows on 8 simulated devices:
     # 22 ms a fit against 25), one that stays in cache with plain products (400 x 784: 31 + 27
@@ -208,21 +211,54 @@ _BATCHED_TRIALS = 1 << 22  # per-row values (rows x models x classes x lengths) 
 _STREAMED = 16 << 20  # bytes of X from which a CPU streams it from memory (more than its cache)
 
 
-# Work (row x parameter products) a device gets through in about a tenth of a second: about
-# 2.5e9 a second on one core of a CPU (100k x 100 and 400 x 784 fits both measured 2-3.5e9),
-# ten times that on an accelerator.
+# Work (row x parameter products) a device gets through in a call, about a tenth of a second:
+# about 2.5e9 a second on one core of a CPU (100k x 100 and 400 x 784 fits both measured
+# 2-3.5e9), ten times that on an accelerator.
+_CALL_SECONDS = 0.1
 _REPORT_WORK = {"cpu": 2.5e8}
 _REPORT_WORK_ACCEL = 2.5e9
+# Seconds an iteration costs whatever its work: a pass of the loop inside the program (an
+# accelerator's host reads its condition) and, for a data-parallel fit, its sums over the
+# devices (a gradient-descent step one sum, the others about two), per device taking part.
+# Simulated CPU devices meet in each sum by turns on the host's cores: 8 devices on 2 cores
+# measured 0.9-1.0 ms a gradient-descent iteration of a few hundred rows, 1.6-3.4 ms one of
+# L-BFGS or Newton, where the estimate of work alone gave a 10,000-step fit one 6 s call.
+_LOOP_SECONDS = {"cpu": 15e-6}
+_LOOP_SECONDS_ACCEL = 50e-6
+_SUM_SECONDS = {"cpu": 120e-6}
+_SUM_SECONDS_ACCEL = 20e-6
 
 
-def iterations_per_call(solver: str, d: int, c: int, platform: str, load: int) -> int:
-    """Iterations per call of a fit's program: about a tenth of a second of work. Between calls
-    the host records each context's step and the bar moves; each call costs a dispatch and a
-    fetch (under a millisecond), so a fit shorter than one call is one call and reports only
-    its last step."""
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1
+
+
+def iterations_per_call(
+    solver: str, d: int, c: int, platform: str, load: int, devices: int = 1, reduce: bool = False
+) -> int:
+    """Iterations per call of a fit's program: about a tenth of a second. Between calls the
+    host records each context's step and the bar moves, and a Ctrl-C waits for no more than
+    the call in flight; each call costs a dispatch and a fetch (under a millisecond), so a fit
+    shorter than one call is one call and reports only its last step.
+
+    ``load``: rows x models per device; ``devices``: how many run the fit (CPU devices share
+    the host's cores); ``reduce``: its sums run over the devices every iteration."""
     p = (d + 1) * c
-    work = max(load, 1) * p * (p if solver == "newton" else 1)  # Newton: a p x p Hessian
-    return min(_MOST_PER_CALL, max(1, math.ceil(_REPORT_WORK.get(platform, _REPORT_WORK_ACCEL) / work)))
+    work = max(load, 1) * p
+    if solver == "newton":  # a p x p Hessian, and its Cholesky factor
+        work = work * p + p**3 / 3
+    budget = _REPORT_WORK.get(platform, _REPORT_WORK_ACCEL)
+    seconds = _LOOP_SECONDS.get(platform, _LOOP_SECONDS_ACCEL) * (1 if solver == "gd" else 3)
+    if platform == "cpu":
+        share = min(1.0, _cores() / max(devices, 1))  # simulated devices share the cores
+        work, seconds = work / share, seconds / share
+    if reduce and devices > 1:  # measured with the devices sharing the cores
+        seconds += _SUM_SECONDS.get(platform, _SUM_SECONDS_ACCEL) * devices * (1 if solver == "gd" else 2)
+    per_iteration = work + seconds * budget / _CALL_SECONDS  # in units of work
+    return min(_MOST_PER_CALL, max(1, math.floor(budget / per_iteration)))
 
 
 # Iterations per call at most, whatever their work: a call's history holds one value per
