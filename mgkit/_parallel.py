@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import numbers
 import re
 import time
@@ -32,6 +31,7 @@ import numpy as np
 from . import _contexts, _spmd
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger
+from ._numbers import real
 from ._spmd import (
     AXIS,
     Batch,
@@ -88,13 +88,7 @@ def check_weights(weights: Any, targets: Targets, fn: str) -> tuple[float, ...] 
             f"pass one weight per context"
         )
     for c, w in zip(targets.names, weights, strict=True):
-        if isinstance(w, bool) or not isinstance(w, numbers.Real):
-            raise TypeError(f"{fn}: the weight for context {c!r} is {w!r}; weights must be numbers")
-        if not math.isfinite(w) or w < 0:
-            raise ValueError(
-                f"{fn}: the weight for context {c!r} is {w!r}; weights must be finite and >= 0 "
-                f"(a context with weight 0 gets no rows)"
-            )
+        real(w, f"weights[{c!r}]", fn, lo=0, example=1, note="a context with weight 0 gets no rows")
     if sum(weights) <= 0:
         raise ValueError(
             f"{fn}: weights {weights!r} are all zero; at least one context ({targets.describe()}) "

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _spmd
 from .._contexts import HOST_CONTEXT
+from .._numbers import real, whole
 from .._spmd import Targets
 from .._transfer import place
 from ._model import Model
@@ -138,14 +139,7 @@ def distinct(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_l2(value: Any, where: str, name: str = "l2") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where}: {name}={value!r}; the penalty must be a number >= 0, e.g. {name}=1e-3")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(
-            f"{where}: {name}={value!r}; the penalty must be finite and >= 0 (0: no penalty), "
-            f"e.g. {name}=1e-3"
-        )
-    return float(value)
+    return real(value, name, where, lo=0, example=1e-3, note="the penalty; 0: none")
 
 
 def penalty(l2: Any, C: Any, n: float, where: str) -> float:
@@ -155,10 +149,8 @@ def penalty(l2: Any, C: Any, n: float, where: str) -> float:
         raise ValueError(f"{where}: give l2= or C=, not both (l2 = 1 / (2 * C * n_samples))")
     if C is None:
         return 1.0 / (2 * n) if l2 is None else check_l2(l2, where)
-    if isinstance(C, bool) or not isinstance(C, numbers.Real) or math.isnan(C) or C <= 0:
-        raise ValueError(
-            f"{where}: C={C!r}; C must be a positive number, as in scikit-learn (C=np.inf: no penalty)"
-        )
+    note = "scikit-learn's inverse penalty; C=np.inf: none"
+    C = real(C, "C", where, lo=0, above=True, finite=False, example=1.0, note=note)
     return 0.0 if math.isinf(C) else 1.0 / (2 * C * n)
 
 
@@ -176,13 +168,10 @@ def options(solver, max_iter, tol, learning_rate, progress, where) -> Options:
             f"{where}: solver={solver!r}; use 'auto' (the default), 'newton', 'lbfgs' or 'gd' "
             "(fixed learning rate and steps, as in Theano's recipe)"
         )
-    if max_iter is not None and (
-        isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1
-    ):
-        raise ValueError(f"{where}: max_iter={max_iter!r}; give a whole number of iterations >= 1")
-    for name, v in (("tol", tol), ("learning_rate", learning_rate)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{where}: {name}={v!r}; it must be a positive finite number")
+    if max_iter is not None:
+        max_iter = whole(max_iter, "max_iter", where, lo=1, example=100, note="iterations at most")
+    tol = real(tol, "tol", where, lo=0, above=True, example=1e-5)
+    learning_rate = real(learning_rate, "learning_rate", where, lo=0, above=True, example=0.1)
     if progress not in (None, True, False):
         raise TypeError(f"{where}: progress={progress!r}; use None (a bar after 1 s), True or False")
     return Options(
