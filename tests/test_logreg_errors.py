@@ -1,6 +1,5 @@
 """Bad input to logistic regression gets a clear error; Ctrl-C during a fit returns at once."""
 
-import re
 import warnings
 
 import jax
@@ -83,7 +82,7 @@ def test_objective_checks_its_arguments(model):
         match=r"^objective: y has labels the model was not fitted on: \[5\]; its classes are \[0, 1\]",
     ):
         lr.objective(model, X4, [0, 0, 5, 1], 0.1)
-    with pytest.raises(TypeError, match=r"^objective: l2='a'; the penalty must be a number >= 0"):
+    with pytest.raises(TypeError, match=r"^objective: l2 must be a finite number at least 0 .*got str 'a'"):
         lr.objective(model, X4, Y4, "a")
     with pytest.raises(TypeError, match=r"^objective: the first argument must be a model .*got str"):
         lr.objective("x", X4, Y4, 0.1)
@@ -178,10 +177,12 @@ def test_c_inf_means_no_penalty():
 
 @pytest.mark.parametrize("C", [0, -1.0, np.nan, -np.inf, "1", True])
 def test_c_still_rejects_other_values(C):
-    with pytest.raises(
-        ValueError, match=re.escape(f"logreg.fit: C={C!r}; C must be a positive number") + ".*np.inf"
-    ):
+    wrong_type = isinstance(C, bool | str)
+    with pytest.raises(TypeError if wrong_type else ValueError) as info:
         lr.fit(X4, Y4, C=C)
+    said = f"got {type(C).__name__} {C!r}" if wrong_type else f"C={C!r} is out of range"
+    assert said in str(info.value) and str(info.value).startswith("logreg.fit: ")
+    assert "C must be a number above 0 (scikit-learn's inverse penalty; C=np.inf: none)" in str(info.value)
 
 
 # -- Ctrl-C --------------------------------------------------------------------------------
