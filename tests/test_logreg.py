@@ -18,7 +18,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
 import mgkit as mg
-from mgkit.logreg import _checks, _fit, _objective, _programs, _solver
+from mgkit.logreg import _checks, _fit, _linesearch, _objective, _programs, _solver
 
 lr = mg.logreg
 
@@ -453,7 +453,7 @@ def test_step_lengths_tried_at_once_equal_the_backtracking_loop(small, case, mon
         for k in want:
             assert np.all(np.asarray(got[k].info.converged)), layout
             np.testing.assert_allclose(got[k].info.history()[-1], want[k].info.history()[-1], rtol=1e-5)
-    monkeypatch.setattr(_solver, "BACKTRACKS", 0)  # no halving: the fit stalls at once
+    monkeypatch.setattr(_linesearch, "BACKTRACKS", 0)  # no halving: the fit stalls at once
     stalled = lr.fit(X, y, **kw, contexts=1)
     assert int(stalled.info.iterations) < int(at_once["fit"].info.iterations) // 4
 

@@ -13,6 +13,7 @@ from sklearn.preprocessing import StandardScaler
 
 import mgkit as mg
 from mgkit.logreg import _checks, _programs
+from mgkit.logreg import _linesearch as ls
 from mgkit.logreg import _objective as ob
 from mgkit.logreg import _solver as sv
 
@@ -134,7 +135,7 @@ _F0 = jnp.asarray([0.09, 1e-6, 0.0])
 _SLOPE = jnp.asarray([-0.6, -2e-3, -1.0])  # the third claims descent, but the function rises
 
 
-@pytest.mark.parametrize("search", [sv.backtrack, sv.backtrack_at_once])
+@pytest.mark.parametrize("search", [ls.backtrack, ls.backtrack_at_once])
 def test_backtracking_halves_until_sufficient_decrease(search):
     t0, slack = jnp.ones(3), jnp.zeros(3)
     active = jnp.asarray([True, True, True])
@@ -144,17 +145,17 @@ def test_backtracking_halves_until_sufficient_decrease(search):
     # the second: 2**-8 gives 3.6e-6 > 1e-6; 2**-9 gives 9.1e-7, below 1e-6 less 1e-4 * t * 2e-3
     assert float(t[1]) == 2.0**-9
     assert bool(ok[0]) and bool(ok[1]) and not bool(ok[2])
-    if search is sv.backtrack:
-        assert float(t[2]) == 2.0**-sv.BACKTRACKS  # gave up after every halving
+    if search is ls.backtrack:
+        assert float(t[2]) == 2.0**-ls.BACKTRACKS  # gave up after every halving
 
 
 def test_the_line_search_loop_contract():
-    s = sv.search_init(_lines, jnp.ones(3), _F0, _SLOPE, jnp.zeros(3), jnp.asarray([True, False, True]))
+    s = ls.search_init(_lines, jnp.ones(3), _F0, _SLOPE, jnp.zeros(3), jnp.asarray([True, False, True]))
     assert s.ok.tolist() == [False, True, False]  # an inactive line passes at once
-    assert bool(sv.search_cond(s))
-    s = sv.search_step(_lines, s)
+    assert bool(ls.search_cond(s))
+    s = ls.search_step(_lines, s)
     assert int(s.k) == 1 and s.t.tolist() == [0.5, 1.0, 0.5] and s.ok.tolist() == [True, True, False]
-    s = sv.search_step(_lines, s)
+    s = ls.search_step(_lines, s)
     assert s.t.tolist() == [0.5, 1.0, 0.25]  # lines that passed keep their t
 
 
@@ -162,9 +163,9 @@ def test_newton_length_lands_on_a_parabolas_minimum():
     def derivatives(t):  # (t - 0.3)^2 and (t - 5)^2
         return 2 * (t - jnp.asarray([0.3, 5.0])), jnp.full_like(t, 2.0)
 
-    t = sv.newton_length(derivatives, jnp.ones(2), rounds=1)
+    t = ls.newton_length(derivatives, jnp.ones(2), rounds=1)
     np.testing.assert_allclose(t, [0.3, 5.0], rtol=1e-6)
-    far = sv.newton_length(lambda t: (2 * (t - 100.0), jnp.full_like(t, 2.0)), jnp.ones(1), rounds=1)
+    far = ls.newton_length(lambda t: (2 * (t - 100.0), jnp.full_like(t, 2.0)), jnp.ones(1), rounds=1)
     assert float(far[0]) == 16.0  # at most a factor 16 a round
 
 
@@ -321,7 +322,7 @@ def test_an_unpenalised_softmax_fit_is_the_symmetric_solution():
     X, y = _three_classes()
     fits = {k: lr.fit(X, y, l2=0.0, contexts=k) for k in (1, 8)}
     fits["fit_many"] = lr.unstack(lr.fit_many(X, y, l2=[0.0, 0.1], contexts=8))[0]
-    sk = LogisticRegression(penalty=None, tol=1e-10, max_iter=10_000).fit(X, y)
+    sk = LogisticRegression(C=np.inf, tol=1e-10, max_iter=10_000).fit(X, y)
     for name, m in fits.items():
         w, b = np.asarray(m.w), np.asarray(m.b)
         assert m.info.solver == "newton" and bool(m.info.converged), name

@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 from .. import _parallel
 from .._parallel import AXIS, Batch, Targets
 from ._checks import Options, float_dtype
+from ._linesearch import BACKTRACKS
 from ._results import Fit
-from ._solver import BACKTRACKS, Args, Spec, solve
+from ._solver import Args, Spec, solve
 
 MAX_ITER = {"newton": 100, "lbfgs": 1000, "gd": 10_000}
 NEWTON_MAX_PARAMS = {"cpu": 64}  # parameters per model up to which "auto" picks Newton
