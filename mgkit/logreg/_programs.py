@@ -225,7 +225,7 @@ _REPORT_WORK_ACCEL = 2.5e9
 # measured 0.9-1.0 ms a gradient-descent iteration of a few hundred rows, 1.6-3.4 ms one of
 # L-BFGS or Newton, where the estimate of work alone gave a 10,000-step fit one 6 s call.
 _LOOP_SECONDS = {"cpu": 15e-6}
-_LOOP_SECONDS_ACCEL = 50e-6
+_LOOP_SECONDS_ACCEL = 20e-6
 _SUM_SECONDS = {"cpu": 120e-6}
 _SUM_SECONDS_ACCEL = 20e-6
 
