@@ -16,7 +16,7 @@ from .._contexts import HOST_CONTEXT
 from .._numbers import real, whole
 from .._spmd import Targets
 from .._transfer import place
-from ._model import Model
+from ._model import Model, check_l2
 
 SOLVERS = ("auto", "newton", "lbfgs", "gd")
 
@@ -136,10 +136,6 @@ def distinct(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             rank = (np.cumsum(present) - 1).astype(np.int32)
             return (np.flatnonzero(present) + lo).astype(y.dtype), np.take(rank, offset)
     return np.unique(y, return_inverse=True)
-
-
-def check_l2(value: Any, where: str, name: str = "l2") -> float:
-    return real(value, name, where, lo=0, example=1e-3, note="the penalty; 0: none")
 
 
 def penalty(l2: Any, C: Any, n: float, where: str) -> float:

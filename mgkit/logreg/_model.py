@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .. import _contexts
+from .._numbers import real
 from .._transfer import place
 
 HI = jax.lax.Precision.HIGHEST
@@ -241,11 +242,14 @@ def score(model: Model, X: Any, y: Any) -> Any:
     return (pred == y).mean(axis=-1)
 
 
+def check_l2(value: Any, where: str, name: str = "l2") -> float:
+    """A penalty: a finite number >= 0 (0: none), else a clear error."""
+    return real(value, name, where, lo=0, example=1e-3, note="the penalty; 0: none")
+
+
 def objective(model: Model, X: Any, y: Any, l2: float) -> float:
     """The objective ``mean(log-loss) + l2 * ||w||^2`` of a model on data, in float64 on the host
     (to compare solvers, or with scikit-learn: ``l2 = 1 / (2 * C * n_samples)``)."""
-    from ._checks import check_l2  # _checks reads Model from here
-
     where = "objective"
     X = np.asarray(jax.device_get(_rows(model, X, where)), np.float64)
     l2 = check_l2(l2, where)
