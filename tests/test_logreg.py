@@ -502,16 +502,18 @@ def test_a_fit_shorter_than_the_report_interval_reports_its_last_step_only(small
 def test_reports_come_about_a_tenth_of_a_second_of_work_apart(monkeypatch):
     every = _programs.iterations_per_call
     monkeypatch.setattr(_programs, "_cores", lambda: 2)
-    assert every("lbfgs", 784, 1, "cpu", 400) == 586  # seed 000: 400 x 785 per iteration, and 45 us
-    assert every("lbfgs", 100, 1, "cpu", 100_000) == 24  # 100k x 101
-    assert every("newton", 30, 1, "cpu", 569) == 373  # a 31 x 31 Hessian per row, and its factor
-    assert every("lbfgs", 784, 1, "gpu", 400) == 1378  # accelerators: ten times the work, 60 us
+    assert every("lbfgs", 784, 1, "cpu", 400) == 587  # seed 000: 400 x 785 per iteration, and 45 us
+    assert every("lbfgs", 100, 1, "cpu", 100_000) == 25  # 100k x 101
+    assert every("newton", 30, 1, "cpu", 569) == 374  # a 31 x 31 Hessian per row, and its factor
+    assert every("lbfgs", 784, 1, "gpu", 400) == 1379  # accelerators: ten times the work, 60 us
     assert every("gd", 10**6, 10, "cpu", 10**6) == 1  # never less than one
-    assert every("gd", 1, 1, "cpu", 1) == 6666  # a pass of the loop costs 15 us whatever its work
+    assert every("gd", 1, 1, "cpu", 1) == 6667  # a pass of the loop costs 15 us whatever its work
+    # an iteration of 0.85 of the budget: calls of two (eight 400 x 784 Newton fits on one GPU)
+    assert every("newton", 784, 1, "gpu", 8 * 400) == 2
     # 8 simulated devices on 2 cores, data-parallel: each of 10,000 steps meets in a sum, about
     # 1 ms (one 6 s call before); per device, without sums, the cores are shared
-    assert every("gd", 10, 1, "cpu", 125, devices=8, reduce=True) == 97
-    assert every("lbfgs", 10, 1, "cpu", 250, devices=8) == 542
+    assert every("gd", 10, 1, "cpu", 125, devices=8, reduce=True) == 98
+    assert every("lbfgs", 10, 1, "cpu", 250, devices=8) == 543
 
 
 @pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")

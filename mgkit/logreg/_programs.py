@@ -242,8 +242,11 @@ def iterations_per_call(
 ) -> int:
     """Iterations per call of a fit's program: about a tenth of a second. Between calls the
     host records each context's step and the bar moves, and a Ctrl-C waits for no more than
-    the call in flight; each call costs a dispatch and a fetch (under a millisecond), so a fit
-    shorter than one call is one call and reports only its last step.
+    the call in flight; each call costs a dispatch and a fetch (under a millisecond on a CPU,
+    about 1.2 ms on an H100), so a fit shorter than one call is one call and reports only its
+    last step. The count rounds up: a call's iterations reach the budget, not stop short of it
+    (rounding down, an iteration estimated at 0.85 of the budget made a call of one: eight
+    400 x 784 Newton fits on one H100 took four calls, not two, 19.6 ms, not 17.3).
 
     ``load``: rows x models per device; ``devices``: how many run the fit (CPU devices share
     the host's cores); ``reduce``: its sums run over the devices every iteration."""
@@ -259,7 +262,7 @@ def iterations_per_call(
     if reduce and devices > 1:  # measured with the devices sharing the cores
         seconds += _SUM_SECONDS.get(platform, _SUM_SECONDS_ACCEL) * devices * (1 if solver == "gd" else 2)
     per_iteration = work + seconds * budget / _CALL_SECONDS  # in units of work
-    return min(_MOST_PER_CALL, max(1, math.floor(budget / per_iteration)))
+    return min(_MOST_PER_CALL, max(1, math.ceil(budget / per_iteration)))
 
 
 # Iterations per call at most, whatever their work: a call's history holds one value per
