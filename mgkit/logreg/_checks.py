@@ -16,7 +16,7 @@ from .._contexts import HOST_CONTEXT
 from .._numbers import real, whole
 from .._spmd import Targets
 from .._transfer import place
-from ._model import Model, check_l2
+from ._model import Model, check_l2, real_array
 
 SOLVERS = ("auto", "newton", "lbfgs", "gd")
 
@@ -28,21 +28,7 @@ def float_dtype() -> Any:
 def check_X(X: Any, where: str, name: str = "X") -> Any:
     """A 2-D, real array (numpy on the host, or a jax.Array where it is). NaN and inf are found
     by the solver, whose first gradient reads every value (see ``conclude``)."""
-    if isinstance(X, jax.Array):
-        arr = X
-    else:
-        try:
-            arr = np.asarray(X)
-        except (TypeError, ValueError) as e:
-            raise TypeError(
-                f"{where}: {name} cannot be read as an array ({e}); pass a 2-D numeric array"
-            ) from None
-    kind = np.dtype(arr.dtype).kind
-    if kind not in "fiub":
-        raise TypeError(
-            f"{where}: {name} has dtype {arr.dtype}, but features must be real numbers; convert with "
-            f"{name}.astype(np.float32) (encode text or categories as numbers first)"
-        )
+    arr = real_array(X, where, name)
     if arr.ndim != 2:
         hint = f"{name}.reshape(-1, 1) for one feature" if arr.ndim == 1 else "one row per sample"
         raise ValueError(

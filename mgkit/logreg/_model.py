@@ -87,22 +87,29 @@ def _check_model(model: Any, where: str) -> None:
         )
 
 
-def _rows(model: Model, X: Any, where: str) -> Any:
-    """X checked for prediction: 2-D real numbers with the model's feature count (a jax.Array,
-    traced or not, as is; anything else as numpy)."""
-    _check_model(model, where)
+def real_array(X: Any, where: str, name: str = "X") -> Any:
+    """X as an array of real numbers: a jax.Array (traced or not) as it is, anything else as
+    numpy; else a TypeError naming it, its dtype and the fix."""
     if not isinstance(X, jax.Array):
         try:
             X = np.asarray(X)
         except (TypeError, ValueError) as e:
             raise TypeError(
-                f"{where}: X cannot be read as an array ({e}); pass a 2-D array of real numbers"
+                f"{where}: {name} cannot be read as an array ({e}); pass a 2-D array of real numbers"
             ) from None
     if np.dtype(X.dtype).kind not in "biuf":
         raise TypeError(
-            f"{where}: X has dtype {X.dtype}; features must be real numbers, as in the data the model "
-            "was fitted on; convert with X.astype(np.float32) (encode text or categories as numbers first)"
+            f"{where}: {name} has dtype {X.dtype}; features must be real numbers; convert with "
+            f"{name}.astype(np.float32) (encode text or categories as numbers first)"
         )
+    return X
+
+
+def _rows(model: Model, X: Any, where: str) -> Any:
+    """X checked for prediction: 2-D real numbers with the model's feature count (a jax.Array,
+    traced or not, as is; anything else as numpy)."""
+    _check_model(model, where)
+    X = real_array(X, where)
     d = np.shape(model.w)[-1 if _binary(model) else -2]
     shape = np.shape(X)
     if len(shape) != 2:
