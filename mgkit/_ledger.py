@@ -82,6 +82,60 @@ class Event(NamedTuple):
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
 
+class Layout:
+    """Events that calls laid out alike record again and again, made once by their caller and
+    kept (``_spmd`` caches them per layout): per event its first six fields (kind to bytes), its
+    share of the seconds the events take together (``link_shares``) and its info.
+
+    ``Ledger.record_layout`` keeps one small entry per call and makes the events only when they
+    are read (``records``, subscribers); the running totals are folded in per layout, so a
+    call's recording costs the same however many contexts it spans.
+    """
+
+    __slots__ = ("rows", "size", "totals")
+
+    def __init__(self, rows: list[tuple[tuple, float, Mapping[str, Any] | None]]):
+        self.rows = tuple(rows)
+        self.size = len(self.rows)
+        sums: dict[tuple[str, str, str], list] = {}
+        for head, share, _ in self.rows:
+            total = sums.setdefault((head[0], head[1], head[2]), [0, 0, 0.0])
+            total[0] += 1
+            total[1] += head[5]
+            total[2] += share
+        # per (kind, source, target): events, bytes, and the share of one call's seconds
+        self.totals = tuple((key, c, b, s) for key, (c, b, s) in sums.items())
+
+    def events(self, start: float, seconds: float, label: int | None) -> list[Event]:
+        """The events of one call issued at ``start`` that took ``seconds`` together."""
+        return [_new(Event, (*head, start, seconds * share, label, info)) for head, share, info in self.rows]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"Layout({[head[:3] for head, _, _ in self.rows]})"
+
+
+class _Recorded(NamedTuple):
+    """One ``record_layout`` call as the ledger keeps it, its events made when read."""
+
+    layout: Layout
+    start: float
+    seconds: float
+    label: int | None
+
+    def events(self) -> list[Event]:
+        return self.layout.events(self.start, self.seconds, self.label)
+
+
+def _size(entry: Event | _Recorded) -> int:
+    return entry.layout.size if type(entry) is _Recorded else 1
+
+
 def execution_label() -> int | None:
     """The running IPython cell's execution count, without importing IPython."""
     ipython = sys.modules.get("IPython")
@@ -208,8 +262,12 @@ class Ledger:
 
     def __init__(self, capacity: int = 10_000):
         self._lock = threading.RLock()
-        self._events: collections.deque[Event] = collections.deque(maxlen=self._check_capacity(capacity))
+        # Events and ``_Recorded`` entries, oldest first; ``_kept`` events in all, at most capacity.
+        self._events: collections.deque[Event | _Recorded] = collections.deque()
+        self._capacity = self._check_capacity(capacity)
+        self._kept = 0
         self._totals: dict[tuple[str, str, str], list[float]] = {}
+        self._folds: dict[Layout, list] = {}  # layout -> [calls, seconds] not yet in _totals
         self._subscribers: list[_Subscription] = []
         self._pending: queue.Queue = queue.Queue()
         self._inflight = 0
@@ -223,13 +281,28 @@ class Ledger:
 
     @property
     def capacity(self) -> int:
-        return self._events.maxlen or 0
+        return self._capacity
 
     def set_capacity(self, capacity: int) -> None:
         """Changes how many recent events are kept, keeping the newest."""
         capacity = self._check_capacity(capacity)
         with self._lock:
-            self._events = collections.deque(self._events, maxlen=capacity)
+            self._capacity = capacity
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drops the oldest events beyond the capacity (under the lock): whole entries, and of
+        an entry only partly beyond it, its oldest events."""
+        over = self._kept - self._capacity
+        while over > 0:
+            first = self._events.popleft()
+            size = _size(first)
+            if size > over:  # keep its newest events
+                self._events.extendleft(reversed(first.events()[over:]))
+                size = over
+            self._kept -= size
+            self.dropped += size
+            over -= size
 
     # -- recording -------------------------------------------------------------------------
 
@@ -239,10 +312,10 @@ class Ledger:
 
     def _record_all(self, events) -> None:
         with self._lock:
-            over = len(self._events) + len(events) - (self._events.maxlen or 0)
-            if over > 0:  # the oldest events drop out of the ring buffer
-                self.dropped += over
             self._events.extend(events)
+            self._kept += len(events)
+            if self._kept > self._capacity:
+                self._trim()
             totals = self._totals
             for event in events:
                 key = (event[0], event[1], event[2])  # kind, src, dst
@@ -253,13 +326,53 @@ class Ledger:
                     tot[0] += 1
                     tot[1] += event[5]
                     tot[2] += event[7]
-            subscribers = list(self._subscribers) if self._subscribers else ()
-        for event in events if subscribers else ():
+            subscribers = tuple(self._subscribers)
+        if subscribers:
+            self._notify(events, subscribers)
+
+    def record_layout(self, layout: Layout, start: float, seconds: float, label: int | None) -> None:
+        """Records the events of ``layout`` for one call issued at ``start`` that took ``seconds``
+        (each event its share): one entry and one fold per call, the events made when read."""
+        self._record_layout(_Recorded(layout, start, seconds, label))
+
+    def _record_layout(self, entry: _Recorded) -> None:
+        with self._lock:
+            self._events.append(entry)
+            self._kept += entry.layout.size
+            if self._kept > self._capacity:
+                self._trim()
+            fold = self._folds.get(entry.layout)
+            if fold is None:
+                self._folds[entry.layout] = [1, entry.seconds]
+            else:
+                fold[0] += 1
+                fold[1] += entry.seconds
+            subscribers = tuple(self._subscribers)
+        if subscribers:
+            self._notify(entry.events(), subscribers)
+
+    @staticmethod
+    def _notify(events, subscribers) -> None:
+        for event in events:
             for sub in subscribers:
                 try:
                     sub.callback(event)
                 except Exception:  # noqa: BLE001 - a broken view must not stop the recording
                     sub.failed()
+
+    def _fold(self) -> None:
+        """Adds the layouts recorded since the last fold to the totals (under the lock)."""
+        totals = self._totals
+        for layout, (calls, seconds) in self._folds.items():
+            for key, count, nbytes, share in layout.totals:
+                tot = totals.get(key)
+                if tot is None:
+                    totals[key] = [calls * count, calls * nbytes, seconds * share]
+                else:
+                    tot[0] += calls * count
+                    tot[1] += calls * nbytes
+                    tot[2] += seconds * share
+        self._folds.clear()
 
     def record_when_ready(self, event: Event | list[Event], arrays: list, t0: float) -> None:
         """Records ``event`` (or several events that share one completion) once ``arrays`` are
@@ -278,35 +391,60 @@ class Ledger:
         else:  # all complete: recorded here, no watcher needed
             self._record_all(_timed(events, time.perf_counter() - t0))
             return
+        self._watch_for(events, len(events), arrays, t0)
+
+    def record_layout_when_ready(
+        self, layout: Layout, start: float, label: int | None, arrays: list, t0: float
+    ) -> None:
+        """``record_layout`` once ``arrays`` are ready, timed from ``t0`` to completion, without
+        making the caller wait (see ``record_when_ready``)."""
+        for a in arrays:
+            if not a.is_ready():
+                break
+        else:
+            self._record_layout(_Recorded(layout, start, time.perf_counter() - t0, label))
+            return
+        self._watch_for(_Recorded(layout, start, 0.0, label), layout.size, arrays, t0)
+
+    def _watch_for(self, entry: list[Event] | _Recorded, size: int, arrays: list, t0: float) -> None:
         with self._lock:
-            self._inflight += len(events)
+            self._inflight += size
             if self._watcher is None or not self._watcher.is_alive():
                 self._watcher = threading.Thread(target=self._watch, name="mgkit-ledger", daemon=True)
                 self._watcher.start()
-        self._pending.put((events, arrays, t0))
+        self._pending.put((entry, size, arrays, t0))
 
     def _watch(self) -> None:
         while True:
             batch = [self._pending.get()]
             while not self._pending.empty():  # drain what queued up: one wake-up for many copies
                 batch.append(self._pending.get_nowait())
-            done = []
-            for events, arrays, t0 in batch:
+            done, entries, size = [], [], 0
+            for entry, n, arrays, t0 in batch:
+                size += n
                 try:
                     for a in arrays:
                         a.block_until_ready()
                     seconds, info = time.perf_counter() - t0, None
                 except Exception as e:  # noqa: BLE001 - failed work is recorded, not lost
                     seconds, info = time.perf_counter() - t0, {"error": repr(e)}
-                for event in _timed(events, seconds):
+                if type(entry) is _Recorded:
+                    if info is None:
+                        entries.append(entry._replace(seconds=seconds))
+                        continue
+                    entry = entry.events()
+                for event in _timed(entry, seconds):
                     extra = {} if info is None else {"info": {**(event.info or {}), **info}}
                     done.append(event._replace(**extra))
             del batch, arrays
             try:
-                self._record_all(done)
+                if done:
+                    self._record_all(done)
+                for entry in entries:
+                    self._record_layout(entry)
             finally:
                 with self._lock:
-                    self._inflight -= len(done)
+                    self._inflight -= size
                     if self._inflight == 0:
                         self._idle.notify_all()
 
@@ -324,7 +462,13 @@ class Ledger:
         flight; work that finishes out of order is still listed by start time)."""
         self.flush()
         with self._lock:
-            events = list(self._events)
+            entries = list(self._events)
+        events = []
+        for entry in entries:
+            if type(entry) is _Recorded:
+                events.extend(entry.events())
+            else:
+                events.append(entry)
         events.sort(key=lambda e: e.start)  # stable: events issued together keep their order
         return [e for e in events if kind is None or e.kind == kind]
 
@@ -333,6 +477,7 @@ class Ledger:
         as recorded so far: unlike ``summary()`` it does not wait for events in flight, so a
         live view can read it while copies are still running."""
         with self._lock:
+            self._fold()
             return {key: (int(c), int(b), float(t)) for key, (c, b, t) in self._totals.items()}
 
     def summary(self) -> Summary:
@@ -348,6 +493,7 @@ class Ledger:
         """Bytes moved between every pair of contexts (and host) since the last ``clear()``."""
         self.flush()
         with self._lock:
+            self._fold()
             totals = dict(self._totals)
         names = list(_contexts.context_map().names)
         for _, s, d in totals:
@@ -364,7 +510,9 @@ class Ledger:
         self.flush()
         with self._lock:
             self._events.clear()
+            self._kept = 0
             self._totals.clear()
+            self._folds.clear()
             self.dropped = 0
 
     def subscribe(self, callback: Callable[[Event], None]) -> Callable[[], None]:
@@ -392,7 +540,7 @@ class Ledger:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._events)
+            return self._kept
 
     def __repr__(self) -> str:
         return repr(self.summary())

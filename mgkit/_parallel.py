@@ -21,6 +21,7 @@ import inspect
 import numbers
 import re
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ import numpy as np
 
 from . import _contexts, _spmd
 from ._errors import ContextError
-from ._ledger import Event, execution_label, ledger
+from ._ledger import Event, Layout, execution_label, ledger
 from ._numbers import real
 from ._spmd import (
     AXIS,
@@ -41,7 +42,9 @@ from ._spmd import (
     fn_name,
     is_abstract,
     kept,
+    lands_at_once,
     mesh,
+    on_clear,
     per_context,
     place_spmd,
     programs,
@@ -509,29 +512,37 @@ class _Plan(NamedTuple):
 
     targets: Targets
     copies: tuple[int, ...]  # host leaves copied before they are placed (``private``)
-    moving: tuple[int, ...]  # leaves placed, with their shardings
-    shardings: list
-    split: tuple  # the placement's events (``record``)
-    runs: tuple  # the program's run events
+    shardings: list  # one per leaf: every leaf is placed
+    split: Layout  # the placement's events (``record``)
+    runs: Layout  # the program's run events
     program: Callable
+    at_once: bool  # the placement is complete when device_put returns (``lands_at_once``)
 
     def run(self, leaves: list) -> Any:
         t0, start = time.perf_counter(), time.time()
-        leaves = list(leaves)
         if self.copies:
+            leaves = list(leaves)
             for i, c in zip(self.copies, _spmd.private([leaves[i] for i in self.copies]), strict=True):
                 leaves[i] = c
-        placed = jax.device_put([leaves[i] for i in self.moving], self.shardings)
-        for i, p in zip(self.moving, placed, strict=True):
-            leaves[i] = p
-        record(self.split, start, placed, t0)
+        placed = jax.device_put(leaves, self.shardings)
+        record(self.split, start, placed, t0, time.perf_counter() if self.at_once else None)
         start, t0 = time.time(), time.perf_counter()
-        out = explained(self.program, *leaves)
+        out = explained(self.program, *placed)
         record(self.runs, start, jax.tree_util.tree_leaves(out), t0)
         return out
 
 
 _PLANS = Cache(256)  # (fn, axes, caller, structure, targets, leaf layout) -> _Plan
+_HOT: weakref.WeakSet = weakref.WeakSet()  # the wrappers holding their last call's plan
+
+
+def _forget_plans() -> None:
+    for wrapper in list(_HOT):
+        wrapper._hot = None
+    _HOT.clear()
+
+
+on_clear(_forget_plans)
 
 
 def _none() -> None:
@@ -553,13 +564,13 @@ def _plan(fn, batch, targets, sizes, out_axes, where) -> _Plan | None:
     if not (batch.n and targets.spmd and len(set(sizes)) == 1):
         return None
     cpu = targets.devices[0].platform == "cpu"
-    moving = tuple(range(len(batch.leaves)))
-    copies = tuple(i for i in moving if cpu and kept(batch.leaves[i].dtype))
+    copies = tuple(i for i, x in enumerate(batch.leaves) if cpu and kept(x.dtype))
     shardings = [sharding(targets.devices, AXIS, ax) for ax in batch.axes]
     split = spmd_layout([(x, ax) for x, ax in zip(batch.leaves, batch.axes, strict=True)], targets, sizes)
     runs = run_layout(targets, sizes, fn, "spmd", batch.n)
     program = _spmd_program(fn, batch, out_axes, targets, where)
-    return _Plan(targets, copies, moving, shardings, split, runs, program)
+    at_once = lands_at_once(targets.devices, sum(x.nbytes for x in batch.leaves))
+    return _Plan(targets, copies, shardings, split, runs, program, at_once)
 
 
 def run(fn, batch, targets, sizes, out_axes, to, where) -> Any:
@@ -627,6 +638,7 @@ class Parallel:
         self._layouts: dict = {}  # tree structure of (args, kwargs) -> one axis per leaf
         self._key = (_hashable(in_axes), _hashable(out_axes))  # with fn, what its plans depend on
         self._last: tuple | None = None  # (context map, caller, contexts, targets) of the last call
+        self._hot: tuple | None = None  # (context map, caller, structure, leaf layout, plan)
         functools.update_wrapper(self, fn)
 
     def _targets(self, where: str) -> Targets:
@@ -674,9 +686,20 @@ class Parallel:
             leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
             layout = _leaf_layout(leaves)
             if layout is not None:  # a call laid out like one before runs its plan (see _Plan)
+                cmap, hot = _contexts.context_map(), self._hot
+                if (
+                    hot is not None
+                    and hot[0] is cmap
+                    and hot[1] == where
+                    and hot[2] == treedef
+                    and hot[3] == layout
+                ):  # laid out like the last call: its plan, without the cache's key
+                    return hot[4].run(leaves)
                 key = (self.fn, self._key, where, treedef, self._targets(where), layout)
                 plan = _PLANS.get(key, _none)
                 if plan is not None:
+                    self._hot = (cmap, where, treedef, layout, plan)
+                    _HOT.add(self)
                     return plan.run(leaves)
         batch, targets = self._batch(args, kwargs, where)
         if self.balance == "measured":

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from . import _contexts, _devices
 from ._contexts import Context, ContextMap, explain_incompatible
 from ._errors import ContextError
-from ._ledger import Event, execution_label, ledger, link_shares
+from ._ledger import Layout, execution_label, ledger, link_shares
 from ._transfer import private_copies, source
 
 AXIS = "mgkit"  # the mesh axis of mgkit's own SPMD programs
@@ -106,6 +106,12 @@ def clear_caches() -> None:
     """
     for clear in _CLEARS:
         clear()
+
+
+def on_clear(clear: Callable[[], None]) -> None:
+    """Has :func:`clear_caches` call ``clear()`` too: for what keeps compiled programs outside
+    the caches (each wrapper's last plan)."""
+    _CLEARS.append(clear)
 
 
 # -- contexts ------------------------------------------------------------------------------
@@ -410,25 +416,32 @@ def place_spmd(
     return out
 
 
-def record(layout: tuple, start: float, arrays: list, t0: float) -> None:
-    """Records a cached layout's events ((head, share, info) each: see ``_spmd_layout``) issued
-    at ``start`` once ``arrays`` are ready, timed from ``t0``: at once when they are, each event
-    made once with its share of the seconds (``link_shares``), else by the ledger's watcher."""
+def record(layout: Layout, start: float, arrays: list, t0: float, done: float | None = None) -> None:
+    """Records a cached layout's events (see ``_spmd_layout``) issued at ``start`` once
+    ``arrays`` are ready, timed from ``t0``: at once when they are, else by the ledger's
+    watcher. ``done``: the ``perf_counter`` time by which the work is known to be complete
+    (``lands_at_once``), so the arrays need not be asked. The ledger keeps one entry per call
+    and makes the events when they are read."""
     label = execution_label()
-    for a in arrays:
-        if not a.is_ready():
-            break
-    else:
-        seconds = time.perf_counter() - t0
-        ledger().record(
-            [_event((*head, start, seconds * share, label, info)) for head, share, info in layout]
-        )
-        return
-    events = [_event((*head, start, 0.0, label, info)) for head, _, info in layout]
-    ledger().record_when_ready(events, arrays, t0)
+    if done is None:
+        for a in arrays:
+            if not a.is_ready():
+                ledger().record_layout_when_ready(layout, start, label, arrays, t0)
+                return
+        done = time.perf_counter()
+    ledger().record_layout(layout, start, done - t0, label)
 
 
-def spmd_layout(moves: list, targets: Targets, sizes: tuple[int, ...]) -> tuple:
+def lands_at_once(devices: Sequence, nbytes: int) -> bool:
+    """Whether placing ``nbytes`` from host memory on these devices is complete when
+    ``jax.device_put`` returns. XLA's CPU client copies host buffers under 100 KiB before it
+    returns (or takes them as they are); this says so for less than 64 KiB in all, so a small
+    call's placement is timed without asking every array whether it is ready (a few
+    microseconds each)."""
+    return nbytes < _SMALL and devices[0].platform == "cpu"
+
+
+def spmd_layout(moves: list, targets: Targets, sizes: tuple[int, ...]) -> Layout:
     """The events of a placement of ``moves`` ((value, axis) pairs), one per (kind, source,
     context): the bytes that land on each context (see ``record``)."""
     layout = tuple(
@@ -450,22 +463,19 @@ def _source(value: jax.Array) -> tuple[str, str, frozenset | None]:
     return ctx.name, ctx.short, devices
 
 
-_event = functools.partial(tuple.__new__, Event)  # fields in order -> Event, without argument parsing
-
-
 def _dtype(leaf: Any) -> np.dtype:
     dtype = getattr(leaf, "dtype", None)
     return np.dtype(dtype) if dtype is not None else np.result_type(leaf)
 
 
-def _with_shares(rows: list[tuple]) -> tuple:
-    """(head, info) rows -> (head, share, info) rows, the heads being an event's first six fields."""
+def _with_shares(rows: list[tuple]) -> Layout:
+    """(head, info) rows -> their ``Layout``, the heads being an event's first six fields."""
     shares = link_shares([(head[1], head[2], head[5]) for head, _ in rows])
-    return tuple((head, share, info) for (head, info), share in zip(rows, shares, strict=True))
+    return Layout([(head, share, info) for (head, info), share in zip(rows, shares, strict=True)])
 
 
 @cached(1024)
-def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> tuple:
+def _spmd_layout(targets: Targets, sizes: tuple[int, ...], layout: tuple) -> Layout:
     totals: dict[tuple, list] = {}
     for src_name, src_dev, src_devices, shape, dtype, ax in layout:
         itemsize = np.dtype(jax.dtypes.canonicalize_dtype(dtype)).itemsize
@@ -510,13 +520,13 @@ def record_run(
     record(layout, start, [concrete(x) for x in jax.tree_util.tree_leaves(outputs)], t0)
 
 
-def run_layout(targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, of: int) -> tuple:
+def run_layout(targets: Targets, sizes: tuple[int, ...], fn: Callable, path: str, of: int) -> Layout:
     """The ``run`` events of a call (see ``record``): one per context with rows."""
     return _run_layout(targets, sizes, fn_name(fn), path, of)
 
 
 @cached(1024)
-def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> tuple:
+def _run_layout(targets: Targets, sizes: tuple[int, ...], fn: str, path: str, of: int) -> Layout:
     return _with_shares(
         [
             (("run", c.name, c.name, c.short, c.short, 0), {"fn": fn, "of": of, "path": path, "rows": size})

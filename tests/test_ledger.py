@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mgkit as mg
-from mgkit._ledger import Event, Ledger
+from mgkit._ledger import Event, Layout, Ledger, link_shares
 
 
 def _event(i=0, src="dev0", dst="dev1", nbytes=100, seconds=0.5, kind="transfer"):
@@ -45,6 +45,78 @@ def test_ring_buffer_is_bounded_but_totals_count_everything():
     assert [e.label for e in led.records()] == [10, 11] and led.capacity == 2
     led.clear()
     assert led.records() == [] and led.summary().rows() == [] and led.dropped == 0
+
+
+def _layout(n=3, nbytes=100):
+    heads = [("split", "host", f"dev{i}", "host", f"cpu{i}", nbytes * (i + 1)) for i in range(n)]
+    heads.append(("replicate", "host", "dev0", "host", "cpu0", 50))
+    shares = link_shares([(h[1], h[2], h[5]) for h in heads])
+    return Layout([(h, s, {"i": k}) for k, (h, s) in enumerate(zip(heads, shares, strict=True))])
+
+
+def test_a_layout_recorded_per_call_reads_like_its_events():
+    # One entry per call; its events made when read, each with its share of the seconds.
+    lay, plain = _layout(), Ledger()
+    led = Ledger()
+    seen = []
+    led.subscribe(seen.append)
+    for call in range(3):
+        led.record_layout(lay, 100.0 + call, 2.0, call)
+        plain.record(lay.events(100.0 + call, 2.0, call))
+    got = led.records()
+    assert got == plain.records() and seen == got and len(led) == 12
+    first = got[:4]
+    assert [e.kind for e in first] == ["split", "split", "split", "replicate"]
+    assert first[0].seconds == pytest.approx(2.0 * 100 / 150)
+    assert first[3].seconds == pytest.approx(2.0 * 50 / 150)
+    assert first[1].seconds == first[2].seconds == 2.0 and first[0].info == {"i": 0}
+    assert {e.label for e in got} == {0, 1, 2} and [e.start for e in got[4:8]] == [101.0] * 4
+    assert led.summary().rows() == plain.summary().rows()
+    assert led.totals() == plain.totals()
+    assert led.matrix()["host", "dev0"] == plain.matrix()["host", "dev0"] == 3 * 150
+    led.record(_event(7))  # single events and layouts mix, in order
+    assert led.records()[-1].label == 7 and len(led) == 13
+
+
+def test_the_ring_buffer_drops_the_oldest_events_of_a_layout_entry_one_by_one():
+    led = Ledger(capacity=6)
+    lay = _layout()  # 4 events per call
+    for call in range(3):
+        led.record_layout(lay, float(call), 1.0, call)
+    kept = led.records()
+    assert len(led) == 6 and led.dropped == 6
+    assert [e.label for e in kept] == [1, 1, 2, 2, 2, 2]
+    assert [e.kind for e in kept[:2]] == ["split", "replicate"]
+    assert sum(r[3] for r in led.summary().rows()) == 12  # totals count everything: 3 calls x 4
+    led.set_capacity(1)
+    assert [(e.label, e.kind) for e in led.records()] == [(2, "replicate")] and led.dropped == 11
+    led.clear()
+    assert len(led) == 0 and led.records() == [] and led.totals() == {}
+
+
+@jax.jit
+def _slow(x):
+    return jax.lax.fori_loop(0, 60, lambda i, a: jnp.tanh(a @ a), x)
+
+
+def _running() -> tuple[jax.Array, float]:
+    """A program dispatched and still running (compiled beforehand), and when it was issued."""
+    x = jnp.ones((512, 512)) / 512
+    _slow(x).block_until_ready()
+    t0 = time.perf_counter()
+    return _slow(x), t0
+
+
+def test_a_layout_in_flight_is_timed_by_the_watcher():
+    led = Ledger()
+    y, t0 = _running()
+    led.record_layout_when_ready(_layout(2), time.time(), None, [y], t0)
+    y.block_until_ready()
+    finished = time.perf_counter() - t0
+    assert led.flush(timeout=30)
+    split0, split1, rep0 = (e.seconds for e in led.records())
+    assert split1 >= finished * 0.5 and split0 + rep0 == pytest.approx(split1)
+    assert led.totals()[("split", "host", "dev1")][0] == 1
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "10", True])
@@ -139,15 +211,7 @@ def test_a_subscriber_may_read_the_ledger_without_deadlock():
 
 def test_copy_time_is_measured_off_the_callers_path():
     led = Ledger()
-
-    @jax.jit
-    def slow(x):
-        return jax.lax.fori_loop(0, 60, lambda i, a: jnp.tanh(a @ a), x)
-
-    x = jnp.ones((512, 512)) / 512
-    slow(x).block_until_ready()  # compile
-    t0 = time.perf_counter()
-    y = slow(x)  # dispatched, still running
+    y, t0 = _running()
     led.record_when_ready(_event(seconds=0.0), [y], t0)
     returned = time.perf_counter() - t0
     y.block_until_ready()

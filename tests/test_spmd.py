@@ -99,6 +99,26 @@ def test_clear_caches_frees_every_program_and_what_it_closes_over():
     assert len(_spmd.programs) == 2
 
 
+def test_a_held_wrapper_runs_its_last_plan_until_the_caches_are_cleared():
+    mg.clear_caches()
+    x, y = np.ones((N, 4), np.float32), np.ones((N, 3), np.float32)
+    wrapped = mg.parallel(lambda v: v * 2)
+    for v in (x, x, y, y, x):  # a new layout replaces the last plan; the cache keeps both
+        np.testing.assert_allclose(np.asarray(wrapped(v)), 2.0)
+    assert len(_parallel._PLANS) == 2
+    program = weakref.ref(_parallel._PLANS.items()[-1][1].program)
+    mg.clear_caches()
+    gc.collect()
+    assert program() is None  # the wrapper let go of it too
+    before = mg.ledger().totals()
+    np.testing.assert_allclose(np.asarray(wrapped(x)), 2.0)
+    _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)  # another map: another plan
+    out = wrapped(x)
+    assert mg.where(out) == "a+b" and len(_parallel._PLANS) == 2
+    mg.ledger().flush()
+    assert mg.ledger().totals() != before
+
+
 def test_clear_caches_is_public_and_leaves_jax_caches_alone():
     assert "clear_caches" in mg.__all__ and mg.clear_caches is _spmd.clear_caches
     jitted = jax.jit(lambda a: a + 1)
