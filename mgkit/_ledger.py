@@ -136,6 +136,17 @@ def _size(entry: Event | _Recorded) -> int:
     return entry.layout.size if type(entry) is _Recorded else 1
 
 
+def events_of(entries) -> list[Event]:
+    """The events of entries a buffer got from ``Ledger.attach``, in order."""
+    out: list[Event] = []
+    for entry in entries:
+        if type(entry) is _Recorded:
+            out.extend(entry.events())
+        else:
+            out.append(entry)
+    return out
+
+
 def execution_label() -> int | None:
     """The running IPython cell's execution count, without importing IPython."""
     ipython = sys.modules.get("IPython")
@@ -269,6 +280,7 @@ class Ledger:
         self._totals: dict[tuple[str, str, str], list[float]] = {}
         self._folds: dict[Layout, list] = {}  # layout -> [calls, seconds] not yet in _totals
         self._subscribers: list[_Subscription] = []
+        self._feeds: tuple[collections.deque, ...] = ()  # views' buffers, given entries as recorded
         self._pending: queue.Queue = queue.Queue()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
@@ -326,6 +338,8 @@ class Ledger:
                     tot[0] += 1
                     tot[1] += event[5]
                     tot[2] += event[7]
+            for feed in self._feeds:
+                feed.extend(events)
             subscribers = tuple(self._subscribers)
         if subscribers:
             self._notify(events, subscribers)
@@ -347,6 +361,8 @@ class Ledger:
             else:
                 fold[0] += 1
                 fold[1] += entry.seconds
+            for feed in self._feeds:
+                feed.append(entry)
             subscribers = tuple(self._subscribers)
         if subscribers:
             self._notify(entry.events(), subscribers)
@@ -463,12 +479,7 @@ class Ledger:
         self.flush()
         with self._lock:
             entries = list(self._events)
-        events = []
-        for entry in entries:
-            if type(entry) is _Recorded:
-                events.extend(entry.events())
-            else:
-                events.append(entry)
+        events = events_of(entries)
         events.sort(key=lambda e: e.start)  # stable: events issued together keep their order
         return [e for e in events if kind is None or e.kind == kind]
 
@@ -537,6 +548,20 @@ class Ledger:
             sub.summarize()
 
         return unsubscribe
+
+    def attach(self, buffer: collections.deque) -> Callable[[], None]:
+        """Appends every new entry to ``buffer`` (a bounded deque) as it is recorded: an event,
+        or one call's events not yet made (``events_of`` makes them). The cheapest way to
+        watch: one append per call on the recording thread, whatever the call's event count.
+        Returns a function that detaches it."""
+        with self._lock:
+            self._feeds = (*self._feeds, buffer)
+
+        def detach() -> None:
+            with self._lock:
+                self._feeds = tuple(f for f in self._feeds if f is not buffer)
+
+        return detach
 
     def __len__(self) -> int:
         with self._lock:

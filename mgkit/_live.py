@@ -1,7 +1,8 @@
 """Live views: a bounded feed from the ledger, and one background thread that refreshes them all.
 
-A view subscribes to the ledger with a callback that only appends the event to a bounded
-deque, so the thread that records an event (the compute path) never waits on the UI. One
+A view has the ledger append what it records to a bounded deque (``Ledger.attach``: one
+append per call), so the thread that records an event (the compute path) never waits on the
+UI; the view makes and filters the events when it drains them. One
 daemon thread, shared by every live view, calls each view at most ``rate`` times a second to
 set widget values; it holds views weakly, so a view nobody references any more stops
 refreshing and is collected. Widgets are displayed from the main thread only; this thread
@@ -31,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._ledger import Event, Ledger, ledger
+from ._ledger import Event, Ledger, events_of, ledger
 from ._numbers import real, whole
 
 log = logging.getLogger("mgkit")
@@ -77,36 +78,29 @@ def in_kernel() -> bool:
 class Feed:
     """A bounded buffer of ledger events of some kinds, filled on the recording thread.
 
-    The ledger's callback does one set lookup and one ``deque.append``: it never blocks. When
-    more than ``size`` events arrive between two drains the oldest are dropped.
+    The ledger appends each entry as it is recorded (``Ledger.attach``): one ``deque.append``
+    per call, never blocking; the events are made and filtered by kind when the view drains
+    them. When more than ``size`` entries arrive between two drains the oldest are dropped.
     """
 
     def __init__(self, led: Ledger, kinds: frozenset[str], exclude: bool, size: int = BUFFER):
-        self.buffer: collections.deque[Event] = collections.deque(maxlen=size)
-        append = self.buffer.append
-        if exclude:
-
-            def feed(event: Event) -> None:
-                if event.kind not in kinds:
-                    append(event)
-        else:
-
-            def feed(event: Event) -> None:
-                if event.kind in kinds:
-                    append(event)
-
-        self._unsubscribe = led.subscribe(feed)
+        self.buffer: collections.deque = collections.deque(maxlen=size)
+        self.kinds, self.exclude = kinds, exclude
+        self._detach = led.attach(self.buffer)
 
     def __len__(self) -> int:
         return len(self.buffer)
 
     def drain(self) -> list[Event]:
-        """Takes every buffered event, oldest first (events appended meanwhile stay for next time)."""
+        """Takes every buffered event of the feed's kinds, oldest first (entries appended
+        meanwhile stay for next time)."""
         pop = self.buffer.popleft
-        return [pop() for _ in range(len(self.buffer))]
+        events = events_of([pop() for _ in range(len(self.buffer))])
+        kinds, exclude = self.kinds, self.exclude
+        return [e for e in events if (e.kind in kinds) != exclude]
 
     def close(self) -> None:
-        self._unsubscribe()
+        self._detach()
 
 
 class Throttled:

@@ -371,7 +371,8 @@ class LiveView(abc.ABC):
 
     @property
     def pending(self) -> int:
-        """Events waiting in the view's buffer for the next refresh."""
+        """Ledger entries waiting in the view's buffer for the next refresh (an event each, or
+        one call's events)."""
         return len(self._feed) if self._feed is not None else 0
 
     def refresh(self) -> bool:

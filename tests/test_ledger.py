@@ -136,6 +136,22 @@ def test_records_filter_by_kind():
     assert len(mg.ledger().records("put")) == 2
 
 
+def test_an_attached_buffer_gets_one_entry_per_call_and_reads_as_the_events():
+    import collections
+
+    from mgkit._ledger import events_of
+
+    led, buffer = Ledger(), collections.deque(maxlen=100)
+    detach = led.attach(buffer)
+    led.record_layout(_layout(), 1.0, 2.0, 5)  # 4 events, one entry
+    led.record(_event(6))
+    assert len(buffer) == 2 and events_of(buffer) == led.records()
+    detach()
+    led.record(_event(7))
+    assert len(buffer) == 2 and len(led) == 6
+    detach()  # twice is harmless
+
+
 def test_subscribers_see_every_event_and_can_unsubscribe():
     seen = []
     unsubscribe = mg.ledger().subscribe(seen.append)
