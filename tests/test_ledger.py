@@ -1,5 +1,6 @@
 """The ledger: events, totals, ring buffer, subscribers, threads, timing off the caller's path."""
 
+import collections
 import logging
 import threading
 import time
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import mgkit as mg
-from mgkit._ledger import Event, Layout, Ledger, link_shares
+from mgkit._ledger import Event, Layout, Ledger, events_of, link_shares
 
 
 def _event(i=0, src="dev0", dst="dev1", nbytes=100, seconds=0.5, kind="transfer"):
@@ -137,10 +138,6 @@ def test_records_filter_by_kind():
 
 
 def test_an_attached_buffer_gets_one_entry_per_call_and_reads_as_the_events():
-    import collections
-
-    from mgkit._ledger import events_of
-
     led, buffer = Ledger(), collections.deque(maxlen=100)
     detach = led.attach(buffer)
     led.record_layout(_layout(), 1.0, 2.0, 5)  # 4 events, one entry
