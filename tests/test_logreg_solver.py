@@ -16,6 +16,7 @@ from mgkit.logreg import _checks, _programs
 from mgkit.logreg import _linesearch as ls
 from mgkit.logreg import _objective as ob
 from mgkit.logreg import _solver as sv
+from mgkit.logreg._results import unpack_facts
 
 
 def _problem(c: int, M: int = 2, n: int = 40, d: int = 3, seed: int = 0) -> ob.Problem:
@@ -221,6 +222,34 @@ def test_solve_takes_its_arrays_by_name_and_converges():
     pb = ob.problem(jnp.asarray(X), jnp.asarray(y), None, jnp.asarray([0.05]), 1, False, False, False)
     g = ob.gradient(pb, ob.scores(pb, fit.W, fit.b), fit.W)
     assert float(jnp.max(jnp.abs(g))) < 1e-5
+
+
+@pytest.mark.parametrize("own_solve", [False, True])
+def test_a_newton_fit_of_k_iterations_solves_k_systems(monkeypatch, own_solve):
+    """The stopping rule reads the decrement at a new point from the Hessian its step was
+    taken with: no system is solved at the last point; a start at the minimum solves one."""
+    rng = np.random.default_rng(6)
+    X = rng.standard_normal((80, 4)).astype(np.float32)
+    y = (X[:, 0] + 0.5 * rng.standard_normal(80) > 0).astype(np.int32)
+    solved = []
+    system = sv.newton_system
+
+    def counted(pb, Z):
+        jax.debug.callback(lambda: solved.append(1))
+        return system(pb, Z)
+
+    monkeypatch.setattr(sv, "newton_system", counted)
+    spec = sv.Spec("newton", 1, 50, 50, False, False, own_solve=own_solve)
+    l2 = np.asarray([0.05], np.float32)
+    fit = jax.jit(lambda a: sv.solve(spec, a, 1e-6, 0.1))(sv.Args(X, y, None, None, None, l2))
+    facts = unpack_facts(np.asarray(fit.facts))
+    jax.effects_barrier()
+    assert bool(facts.conv[0]) and len(solved) == int(facts.its[0]) >= 2
+    solved.clear()
+    again = jax.jit(lambda a: sv.solve(spec, a, 1e-6, 0.1))(sv.Args(X, y, None, fit.W, fit.b, l2))
+    jax.effects_barrier()
+    assert len(solved) == 1  # the start's own decrement: it stops at once
+    np.testing.assert_allclose(np.asarray(again.W), np.asarray(fit.W))
 
 
 # -- what a fit promises -----------------------------------------------------------------------

@@ -74,7 +74,8 @@ class State(NamedTuple):
     f: Any  # (M,) objective
     g: Any  # (M, p) gradient
     gmax: Any  # (M,) max |gradient|
-    d: Any  # (M, p) the next step's direction, from this point (its decrement: ``stops``)
+    d: Any  # (M, p) L-BFGS: the next step's direction from this point; Newton: -H^-1 g with the
+    # Hessian of the point the last step began from. Its decrement: ``stops``
     done: Any  # (M,) bool: converged, stalled or not finite: the model takes no more steps
     stalled: Any  # (M,) bool: the line search found no lower objective
     conv: Any  # (M,) bool: the stopping rule holds (``stops``)
@@ -222,12 +223,12 @@ def symmetric(W, b) -> tuple:
     return W - W.mean(axis=-1, keepdims=True), b - b.mean(axis=-1, keepdims=True)
 
 
-def cholesky_solve(A: jax.Array, r: jax.Array) -> jax.Array:
-    """A^-1 r for symmetric positive definite A (M, p, p), r (M, p), by a Cholesky
-    factorisation written in XLA operations (p steps of a column each), not LAPACK's: XLA's
-    CPU batched Cholesky can deadlock its worker threads with several models per simulated
-    device. NaN where A is not positive definite."""
-    p = r.shape[-1]
+def cholesky(A: jax.Array) -> jax.Array:
+    """The lower Cholesky factor of symmetric positive definite A (M, p, p), written in XLA
+    operations (p steps of a column each), not LAPACK's: XLA's CPU batched Cholesky can
+    deadlock its worker threads with several models per simulated device. NaN where A is not
+    positive definite."""
+    p = A.shape[-1]
     idx = jnp.arange(p)
 
     def column(j, L):  # L's columns before j are done
@@ -235,7 +236,17 @@ def cholesky_solve(A: jax.Array, r: jax.Array) -> jax.Array:
         col = jnp.where(idx >= j, v / jnp.sqrt(v[:, j])[:, None], 0.0)
         return L.at[:, :, j].set(col)
 
-    L = jax.lax.fori_loop(0, p, column, jnp.zeros_like(A))
+    return jax.lax.fori_loop(0, p, column, jnp.zeros_like(A))
+
+
+def cholesky_solve(A: jax.Array, r: jax.Array) -> jax.Array:
+    """A^-1 r for symmetric positive definite A (M, p, p), r (M, p), by ``cholesky``."""
+    return _factor_solve(cholesky(A), r)
+
+
+def _factor_solve(L: jax.Array, r: jax.Array) -> jax.Array:
+    """(L L')^-1 r by two triangular solves written in XLA operations (see ``cholesky``)."""
+    p = r.shape[-1]
 
     def forward(i, z):  # L z = r
         return z.at[:, i].set((r[:, i] - jnp.sum(L[:, i, :] * z, axis=1)) / L[:, i, i])
@@ -248,20 +259,33 @@ def cholesky_solve(A: jax.Array, r: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, p, backward, jnp.zeros_like(r))
 
 
-def newton_direction(H: jax.Array, g: jax.Array, own_solve: bool = False) -> jax.Array:
-    """-H^-1 g, (M, p), by Cholesky (LAPACK's, or with ``own_solve`` ``cholesky_solve``), H
-    damped by 1e-6 of its largest diagonal entry (plus the float type's epsilon); -g for a
-    model whose factorisation fails."""
+def _lapack_solve(L: jax.Array, r: jax.Array) -> jax.Array:
+    return jax.scipy.linalg.cho_solve((L, True), r[..., None])[..., 0]
+
+
+def newton_factor(H: jax.Array, own_solve: bool = False) -> jax.Array:
+    """The lower Cholesky factor (LAPACK's, or with ``own_solve`` ``cholesky``) of H (M, p, p)
+    damped by 1e-6 of its largest diagonal entry (plus the float type's epsilon)."""
     p = H.shape[-1]
     eps = float(jnp.finfo(H.dtype).eps)
     damp = 1e-6 * jnp.max(jnp.diagonal(H, axis1=1, axis2=2), axis=1) + eps
     H = H + damp[:, None, None] * jnp.eye(p, dtype=H.dtype)
-    if own_solve:
-        step = -cholesky_solve(H, g)
-    else:
-        step = -jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(H), True), g[..., None])[..., 0]
+    return cholesky(H) if own_solve else jnp.linalg.cholesky(H)
+
+
+def newton_solve(L: jax.Array, g: jax.Array, own_solve: bool = False) -> jax.Array:
+    """-H^-1 g, (M, p), from H's factor (``newton_factor``); -g for a model whose factorisation
+    failed."""
+    solve = _factor_solve if own_solve else _lapack_solve
+    step = -solve(L, g)
     ok = jnp.all(jnp.isfinite(step), axis=1, keepdims=True)
     return jnp.where(ok, step, -g)
+
+
+def newton_direction(H: jax.Array, g: jax.Array, own_solve: bool = False) -> jax.Array:
+    """-H^-1 g, (M, p), H damped as in ``newton_factor``; -g for a model whose factorisation
+    fails."""
+    return newton_solve(newton_factor(H, own_solve), g, own_solve)
 
 
 # -- iterations and the loop ---------------------------------------------------------------
@@ -310,9 +334,11 @@ def direction(pb: Problem, spec: Spec, st: State) -> jax.Array:
 
 def stops(f, g, gmax, d, tol) -> jax.Array:
     """The stopping rule of Newton and L-BFGS, (M,) bool: every gradient component at most
-    ``tol``, and the objective's estimated distance to its minimum, the decrement
-    -g . d / 2 of the next (quasi-)Newton step d, at most ``tol`` times the objective. For
-    Newton the decrement is the second-order estimate of f - min f; for L-BFGS it uses its
+    ``tol``, and the objective's estimated distance to its minimum, the decrement -g . d / 2
+    of a (quasi-)Newton step d from this point, at most ``tol`` times the objective. The
+    decrement is the second-order estimate of f - min f: Newton's reads the Hessian of the
+    point its last step began from (near the minimum, where the rule can hold, it changes by
+    the step's length), so a fit of k iterations solves k Newton systems; L-BFGS's uses its
     inverse-Hessian estimate."""
     gap = -0.5 * jnp.sum(g * d, axis=1)
     return (gmax <= tol) & (gap <= tol * jnp.abs(f))
@@ -325,7 +351,13 @@ def search_iteration(pb: Problem, spec: Spec, tol, st: State) -> State:
     _, d, c = ob.sizes(pb)
     eps = float(jnp.finfo(st.f.dtype).eps)
     active = ~st.done
-    step = jnp.where(active[:, None], st.d, 0.0)
+    newton = spec.solver == "newton"
+    if newton:  # this point's system; its factor also gives the next point's decrement
+        factor = newton_factor(newton_system(pb, st.Z), spec.own_solve)
+        here = newton_solve(factor, st.g, spec.own_solve)
+    else:
+        here = st.d
+    step = jnp.where(active[:, None], here, 0.0)
     dW, db = ob.unflat(step, d, c)
     D = ob.scores(pb, dW, db)
     t, f_t, ok = _step_length(pb, st, step, dW, D, active, spec.batched_search)
@@ -362,7 +394,10 @@ def search_iteration(pb: Problem, spec: Spec, tol, st: State) -> State:
         hist,
         *pairs,
     )
-    new = new._replace(d=direction(pb, spec, new))
+    if newton:  # the decrement at the new point, by the Hessian this step was taken with
+        new = new._replace(d=newton_solve(factor, g, spec.own_solve))
+    else:
+        new = new._replace(d=direction(pb, spec, new))
     conv = st.conv | (active & ~stalled & stops(f, g, gmax, new.d, tol))
     return new._replace(conv=conv, done=st.done | stalled | conv)
 
@@ -391,7 +426,13 @@ def start_state(pb: Problem, spec: Spec, W0, b0, tol) -> State:
     st = State(it, its, W0, b0, Z0, f0, g0, gmax0, jnp.zeros_like(g0), no, no, no, it, hist0, *pairs)
     if gd:
         return st._replace(done=jnp.broadcast_to(~jnp.all(finite0), (M,)))
-    st = st._replace(d=direction(pb, spec, st))
+    if spec.solver == "newton":
+        # Each iteration solves its own system first: here it is solved only when a gradient is
+        # already small enough for the rule to hold (a start at the minimum).
+        d0 = jax.lax.cond(jnp.any(gmax0 <= tol), lambda: direction(pb, spec, st), lambda: -g0)
+    else:
+        d0 = direction(pb, spec, st)
+    st = st._replace(d=d0)
     conv = stops(f0, g0, gmax0, st.d, tol) & finite0
     return st._replace(conv=conv, done=conv | ~finite0)
 
