@@ -8,6 +8,7 @@
 """
 
 from . import logreg as logreg
+from . import train as train
 from ._contexts import ContextMap as ContextMap
 from ._contexts import context_map as context_map
 from ._contexts import current as current
@@ -37,6 +38,8 @@ from ._transfer import synchronize as synchronize
 from ._transfer import transfer as transfer
 from ._transfer import where as where
 from ._version import __version__ as __version__
+from .train import History as History
+from .train import Trainer as Trainer
 
 __all__ = [
     "ContextError",
@@ -47,9 +50,11 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceTable",
     "Event",
+    "History",
     "Ledger",
     "Parallel",
     "ThroughputView",
+    "Trainer",
     "TransferView",
     "clear_caches",
     "colocate",

@@ -1,0 +1,227 @@
+"""The compiled training step.
+
+Over distinct devices of one kind it is one SPMD program: the batch's rows split over the
+contexts' mesh, the gradient of the whole batch's mean loss all-reduced by XLA, the optax update,
+parameters and optimizer state replicated and donated. A batch whose rows do not divide by the
+contexts keeps its largest even part split and its last rows (fewer than the contexts) on every
+context, and weighs the two parts' mean losses by their rows: the gradient of the whole batch's
+mean, in the same program.
+
+Where contexts share a device or mix kinds it is cutorch's loop: each context's gradient of its
+part, gathered on the first context, the update there, the new parameters copied back to the
+others (each move in the ledger).
+
+Either way an update is applied only where the loss and every gradient are finite; the step
+says whether it was (``ok``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .. import _spmd
+from .._contexts import Context
+from .._spmd import AXIS, Targets, sharding
+from .._transfer import place
+
+
+class StepOut(NamedTuple):
+    params: Any
+    opt_state: Any
+    loss: jax.Array
+    ok: jax.Array  # bool: the update was applied (loss and gradients finite)
+    aux: Any
+
+
+def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
+    """(params, batch) -> (loss, aux, grads)."""
+
+    def grad(params, batch):
+        if has_aux:
+            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        else:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            aux = None
+        return loss, aux, grads
+
+    return grad
+
+
+def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads) -> tuple:
+    """The optax update where the loss and every gradient are finite, else the state as it was:
+    (params, opt_state, ok)."""
+    updates, new_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]
+    ok = jnp.isfinite(loss) & jnp.all(jnp.stack(finite)) if finite else jnp.isfinite(loss)
+
+    def keep(new, old):
+        return jnp.where(ok, new, old)
+
+    return (
+        jax.tree_util.tree_map(keep, new_params, params),
+        jax.tree_util.tree_map(keep, new_state, opt_state),
+        ok,
+    )
+
+
+def spmd_step(
+    loss_fn: Callable, optimizer: optax.GradientTransformation, has_aux: bool, devices: tuple
+) -> Callable:
+    """The jitted step over ``devices``: (params, opt_state, even, rest) -> StepOut, with
+    ``even`` split over the devices and ``rest`` (the last rows, fewer than the devices, or
+    None) on every one. Parameters and optimizer state are donated."""
+    grad = gradients(loss_fn, has_aux)
+    rep, split = sharding(devices), sharding(devices, AXIS, 0)
+
+    def step(params, opt_state, even, rest):
+        if rest is None:
+            loss, aux, grads = grad(params, even)
+        else:
+            n_even = jax.tree_util.tree_leaves(even)[0].shape[0]
+            n_rest = jax.tree_util.tree_leaves(rest)[0].shape[0]
+            w_even, w_rest = n_even / (n_even + n_rest), n_rest / (n_even + n_rest)
+
+            def mean_loss(p):
+                l_even, a_even = _with_aux(loss_fn, has_aux, p, even)
+                l_rest, _ = _with_aux(loss_fn, has_aux, p, rest)
+                return w_even * l_even + w_rest * l_rest, a_even
+
+            (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        params, opt_state, ok = update(optimizer, params, opt_state, loss, grads)
+        return StepOut(params, opt_state, loss, ok, aux)
+
+    return jax.jit(
+        step,
+        in_shardings=(rep, rep, split, rep),
+        out_shardings=StepOut(rep, rep, rep, rep, rep),
+        donate_argnums=(0, 1),
+    )
+
+
+def _with_aux(loss_fn: Callable, has_aux: bool, params, batch) -> tuple:
+    out = loss_fn(params, batch)
+    return out if has_aux else (out, None)
+
+
+def copied(tree: Any, target: jax.sharding.Sharding) -> Any:
+    """Fresh copies of ``tree`` laid out by ``target`` (never the caller's buffers: the step
+    donates what it is given)."""
+    return jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=target)(tree)
+
+
+def split_rows(leaves: list, n: int, k: int) -> tuple[list, list | None]:
+    """A batch's leaves as (the first k * (n // k) rows, the rest or None)."""
+    even = k * (n // k)
+    if even == n:
+        return leaves, None
+    return [leaf[:even] for leaf in leaves], [leaf[even:] for leaf in leaves]
+
+
+def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) -> tuple[Any, Any, tuple]:
+    """Places a batch for ``spmd_step``: its even part split over the contexts, its last rows on
+    every one; recorded in the ledger (split and replicate events). ``own``: host arrays made
+    for this batch (not the caller's), placed without a private copy. Returns (even, rest,
+    rows per context)."""
+    k = len(targets.contexts)
+    n = np.shape(leaves[0])[0]
+    even, rest = split_rows(leaves, n, k)
+    sizes = (n // k,) * k
+    t0, start = time.perf_counter(), time.time()
+    moving = [(x, 0) for x in even] + [(x, None) for x in rest or ()]
+    values = [x for x, _ in moving]
+    if not own:
+        host = [i for i, x in enumerate(values) if isinstance(x, np.ndarray) and _spmd.kept(x.dtype)]
+        if host and targets.devices[0].platform == "cpu":
+            for i, c in zip(host, _spmd.private([values[i] for i in host]), strict=True):
+                values[i] = c
+    shardings = [sharding(targets.devices, AXIS, ax) for _, ax in moving]
+    placed = jax.device_put(values, shardings)
+    nbytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in values)
+    at_once = time.perf_counter() if _spmd.lands_at_once(targets.devices, nbytes) else None
+    _spmd.record(_spmd.spmd_layout(moving, targets, sizes), start, placed, t0, at_once)
+    r = len(even)
+    even_tree = jax.tree_util.tree_unflatten(treedef, placed[:r])
+    rest_tree = None if rest is None else jax.tree_util.tree_unflatten(treedef, placed[r:])
+    extra = n - sum(sizes)
+    rows = tuple(s + (extra if i == 0 else 0) for i, s in enumerate(sizes))
+    return even_tree, rest_tree, rows
+
+
+class LoopStep:
+    """cutorch's loop over contexts that share a device or mix kinds: each context's gradient of
+    its part, gathered on the first context, weighted by rows; the update there; the new
+    parameters copied back to the other contexts. ``params`` is a list, one replica per context
+    (the first the one the update reads and donates)."""
+
+    def __init__(
+        self, loss_fn: Callable, optimizer: optax.GradientTransformation, has_aux: bool, targets: Targets
+    ):
+        self.targets = targets
+        self.grad = jax.jit(gradients(loss_fn, has_aux))
+        self.optimizer = optimizer
+
+        def combine(params, opt_state, weights, losses, grads, auxes):
+            loss, grad = _weighted(weights, losses), _weighted(weights, grads)
+            aux = None if auxes[0] is None else _weighted(weights, auxes)
+            params, opt_state, ok = update(optimizer, params, opt_state, loss, grad)
+            return StepOut(params, opt_state, loss, ok, aux)
+
+        self.combine = jax.jit(combine, donate_argnums=(0, 1))
+
+    def __call__(
+        self, replicas: list, opt_state: Any, parts: list, sizes: tuple[int, ...]
+    ) -> tuple[list, StepOut]:
+        contexts: tuple[Context, ...] = self.targets.contexts
+        first = contexts[0]
+        active = [i for i, s in enumerate(sizes) if s]
+        outs = [self.grad(replicas[i], parts[i]) for i in active]
+        gathered = []
+        for i, out in zip(active, outs, strict=True):
+            leaves, treedef = jax.tree_util.tree_flatten(out)
+            if contexts[i].device != first.device:
+                leaves = place(leaves, first, "gather", {"what": "gradients"})
+            gathered.append(jax.tree_util.tree_unflatten(treedef, leaves))
+        total = sum(sizes)
+        weights = tuple(jnp.asarray(sizes[i] / total, jnp.float32) for i in active)
+        losses = [g[0] for g in gathered]
+        auxes = [g[1] for g in gathered]
+        grads = [g[2] for g in gathered]
+        out = self.combine(replicas[0], opt_state, weights, losses, grads, auxes)
+        new = [out.params]
+        leaves, treedef = jax.tree_util.tree_flatten(out.params)
+        for ctx in contexts[1:]:
+            if ctx.device == first.device:
+                new.append(out.params)
+            else:
+                new.append(
+                    jax.tree_util.tree_unflatten(
+                        treedef, place(leaves, ctx, "replicate", {"what": "parameters"})
+                    )
+                )
+        return new, out
+
+
+def _weighted(weights: tuple, trees: list) -> Any:
+    """sum_i weights[i] * trees[i], leaf by leaf."""
+    return jax.tree_util.tree_map(lambda *v: sum(w * x for w, x in zip(weights, v, strict=True)), *trees)
+
+
+def place_parts(leaves: list, treedef: Any, targets: Targets, sizes: tuple[int, ...]) -> list:
+    """A batch cut into one part per context (``sizes`` rows each), each placed on its context
+    and recorded (split events)."""
+    parts, start = [], 0
+    for ctx, size in zip(targets.contexts, sizes, strict=True):
+        cut = [leaf[start : start + size] for leaf in leaves]
+        start += size
+        if size:
+            cut = place(cut, ctx, "split", {"rows": size, "of": sum(sizes)})
+        parts.append(jax.tree_util.tree_unflatten(treedef, cut))
+    return parts

@@ -1,0 +1,453 @@
+"""``mg.Trainer``: one model trained on many contexts with an optax optimizer."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from .. import _progress
+from .._numbers import whole
+from .._spmd import Targets, resolve, sharding, shares
+from .._transfer import leaves_of
+from . import _data
+from ._history import History
+from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
+
+_WHERE = "Trainer"
+
+
+class DataRanOut(UserWarning):
+    """An iterable of batches ended before the steps asked for."""
+
+
+class _Interrupts:
+    """Ctrl-C (the notebook's Stop button) during a fit: noted, so the loop stops at the next
+    step boundary with the state of the last completed step, never between a step's dispatch
+    and its result being kept (the step donates the old parameters). Off the main thread,
+    where no handler can be set, Ctrl-C is left to Python."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: Any = None
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
+def _check_params(params: Any) -> None:
+    leaves, _ = leaves_of(params, _WHERE)
+    if not leaves:
+        raise ValueError(
+            f"{_WHERE}: params has no arrays; give the model's parameters (a pytree of float arrays)"
+        )
+    for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
+        name = jax.tree_util.keystr(path) or "(the params themselves)"
+        if not isinstance(leaf, np.ndarray | jax.Array):
+            raise TypeError(
+                f"{_WHERE}: params leaf {name} is a {type(leaf).__name__} ({leaf!r}), not an array; "
+                f"make every parameter an array, e.g. jnp.asarray({leaf!r}, jnp.float32)"
+            )
+        if not np.issubdtype(leaf.dtype, np.inexact):
+            raise TypeError(
+                f"{_WHERE}: params leaf {name} has dtype {leaf.dtype}; parameters are trained by "
+                f"gradients, so they must be floating point (e.g. .astype(jnp.float32)); keep "
+                "integer constants out of params (close over them in loss_fn)"
+            )
+
+
+class Trainer:
+    """Trains one model on every context in the map (or ``contexts``) with an optax optimizer.
+
+    >>> import mgkit as mg, optax, jax.numpy as jnp, numpy as np
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> def loss_fn(p, batch):
+    ...     return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+    >>> X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    >>> data = {"x": X, "y": X @ np.array([1.0, -2.0, 0.5], np.float32)}
+    >>> tr = mg.Trainer(loss_fn, optax.sgd(0.1), {"w": jnp.zeros(3)})
+    >>> hist = tr.fit(data, steps=200, batch_size=16, progress=False)
+    >>> np.round(np.asarray(tr.params["w"]), 2).tolist(), tr.step
+    ([1.0, -2.0, 0.5], 200)
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``: the mean loss over the batch's rows (or
+        ``(scalar, aux)`` with ``has_aux=True``; aux is averaged over the contexts' rows).
+      optimizer: an optax ``GradientTransformation`` (``optax.adamw(1e-3)``...).
+      params: the initial parameters, any pytree of float arrays (copied: the trainer's own
+        arrays are donated to each step, never yours).
+      contexts: context names, a count (the first n) or None for every context in the map.
+        Distinct devices of one kind run one SPMD program per step; contexts that share a
+        device or mix kinds run cutorch's loop (see ``mgkit.train``).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
+        applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
+        and the fit goes on.
+      seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
+      balance: None (parts of equal rows) or ``"measured"`` (cutorch's loop only: parts in
+        proportion to each context's measured speed, as ``mg.parallel`` does).
+
+    Attributes ``params``, ``opt_state`` and ``step`` are always those of the last completed
+    step; ``history`` is the last fit's ``History``.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable,
+        optimizer: Any,
+        params: Any,
+        *,
+        contexts: Any = None,
+        has_aux: bool = False,
+        on_nan: str = "raise",
+        seed: int = 0,
+        balance: str | None = None,
+    ):
+        if not callable(loss_fn):
+            raise TypeError(
+                f"{_WHERE}: loss_fn must be a function loss_fn(params, batch) -> scalar loss; got "
+                f"{type(loss_fn).__name__} {loss_fn!r:.80}"
+            )
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(
+                f"{_WHERE}: optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3), "
+                f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}"
+            )
+        if on_nan not in ("raise", "skip"):
+            raise ValueError(
+                f"{_WHERE}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'"
+            )
+        if balance not in (None, "measured"):
+            raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
+        _check_params(params)
+        self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
+        self.on_nan, self.balance = on_nan, balance
+        self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
+        self.targets: Targets = resolve(contexts, _WHERE)
+        self.spmd = self.targets.spmd
+        devices = self.targets.devices
+        self._step = 0
+        self._position: dict | None = None
+        self.history: History | None = None
+        self._checked: set = set()
+        if self.spmd:
+            self._params = copied(params, sharding(devices))
+            self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
+            self._program = spmd_step(loss_fn, optimizer, self.has_aux, devices)
+            self._replicas: list = []
+        else:
+            first = jax.sharding.SingleDeviceSharding(devices[0])
+            self._params = copied(params, first)
+            self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
+            self._program = LoopStep(loss_fn, optimizer, self.has_aux, self.targets)
+            self._replicas = self._copies(self._params)
+        self._weights: tuple[float, ...] | None = None
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def params(self) -> Any:
+        """The parameters after the last completed step (the trainer's own arrays: the next fit
+        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot)."""
+        return self._params
+
+    @property
+    def opt_state(self) -> Any:
+        """The optimizer state after the last completed step."""
+        return self._opt
+
+    @property
+    def step(self) -> int:
+        """Steps completed, over every fit."""
+        return self._step
+
+    @property
+    def contexts(self) -> tuple[str, ...]:
+        return self.targets.names
+
+    def __repr__(self) -> str:
+        path = "one SPMD program per step" if self.spmd else "cutorch's loop (per-context gradients)"
+        return (
+            f"Trainer({len(self.contexts)} context(s): {', '.join(self.contexts)}; {path}; step {self._step})"
+        )
+
+    def _copies(self, params: Any) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        first = self.targets.contexts[0]
+        out = [params]
+        for ctx in self.targets.contexts[1:]:
+            if ctx.device == first.device:
+                out.append(params)
+            else:
+                copies = [jax.device_put(x, ctx.device) for x in leaves]
+                out.append(jax.tree_util.tree_unflatten(treedef, copies))
+        return out
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def _place(self, batch: Any, own: bool) -> tuple[tuple, tuple[int, ...]]:
+        """A batch laid out for the step: (the step's batch arguments, rows per context)."""
+        k = len(self.targets.contexts)
+        leaves, treedef, n = _data.check_batch(batch, k, "Trainer.fit", "the batch")
+        if self.spmd:
+            even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own)
+            return (even, rest), rows
+        sizes = shares(n, k, self._weights)
+        return (place_parts(leaves, treedef, self.targets, sizes), sizes), sizes
+
+    def _dispatch(self, placed: tuple) -> StepOut:
+        """Runs one step and keeps its results at once: nothing can come between the donation
+        of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""
+        if self.spmd:
+            out = self._program(self._params, self._opt, *placed)
+            self._params, self._opt = out.params, out.opt_state
+        else:
+            replicas, out = self._program(self._replicas, self._opt, *placed)
+            self._replicas, self._params, self._opt = replicas, out.params, out.opt_state
+        self._step += 1
+        return out
+
+    def _check_loss(self, placed: tuple) -> None:
+        """The loss function's output, from shapes only (before anything compiles or runs)."""
+        batch = placed[0] if self.spmd else placed[0][0]
+        key = jax.tree_util.tree_structure(batch)
+        if key in self._checked:
+            return
+        try:
+            out = jax.eval_shape(self.loss_fn, self._params, batch)
+        except Exception as e:
+            raise type(e)(f"Trainer: loss_fn(params, batch) failed on the first batch: {e}") from e
+        if self.has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    f"Trainer: has_aux=True, but loss_fn returned {type(out).__name__} {out!r:.120}; return "
+                    "(loss, aux), or leave has_aux out"
+                )
+            out = out[0]
+        shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+        if shape != ():
+            hint = (
+                ""
+                if self.has_aux or not isinstance(out, tuple)
+                else " (a tuple: (loss, aux)? pass has_aux=True)"
+            )
+            raise TypeError(
+                f"Trainer: loss_fn must return a scalar, the mean loss over the batch's rows; it returned "
+                f"shape {shape} dtype {dtype}{hint}; reduce it, e.g. return losses.mean()"
+            )
+        if not np.issubdtype(dtype, np.floating):
+            raise TypeError(
+                f"Trainer: loss_fn returned a {dtype} scalar; the loss must be floating point to be "
+                "differentiated (e.g. return loss.astype(jnp.float32))"
+            )
+        self._checked.add(key)
+
+    # -- fitting -----------------------------------------------------------------------------
+
+    def fit(
+        self,
+        data: Any,
+        steps: int | None = None,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        progress: bool | None = None,
+    ) -> History:
+        """Trains for ``steps`` steps (or ``epochs`` passes over arrays) and returns a ``History``.
+
+        Args:
+          data: arrays with rows along axis 0 (an array, a dict or tuple pytree: mgkit batches
+            them, shuffled per epoch by the trainer's seed, and a later fit goes on where this
+            one stopped); a function ``step -> batch``; or an iterable of batches (a list, a
+            generator), which may end early: the fit then stops with a warning, state kept.
+          steps: steps to run (default: one epoch of arrays; required for a function).
+          batch_size: rows per batch, for arrays (default min(rows, 256)).
+          shuffle: shuffle arrays each epoch (else in order).
+          epochs: passes over arrays, instead of ``steps``.
+          progress: None: a progress bar once the fit has run a second; True: at once; False: never.
+
+        Ctrl-C (the notebook's Stop button) stops at the next step boundary: ``params``,
+        ``opt_state`` and ``step`` are those of the last completed step, ``history`` holds the
+        steps run, and KeyboardInterrupt is raised. A later ``fit`` goes on from there.
+        """
+        where = "Trainer.fit"
+        k = len(self.targets.contexts)
+        src = _data.source(data, batch_size, shuffle, self.seed, k, where)
+        total = self._total(src, steps, epochs, where)
+        if isinstance(src, _data.ArraySource) and self._position is not None:
+            pos = self._position
+            if pos.get("batch_size") == src.batch_size and pos.get("rows") == src.rows:
+                src.seek(pos)
+        history = History(self.contexts)
+        self.history = history
+        run = _progress.Run(
+            where, self.contexts, [c.short for c in self.targets.contexts], (0,) * k, (1,) * k, total
+        )
+        one_in_flight = self.targets.devices[0].platform == "cpu"
+        bar = _Bar(run, progress)
+        own = isinstance(src, _data.ArraySource)
+        error: BaseException | None = None
+        try:
+            done = 0
+            with _Interrupts() as stop:
+                pending = None
+                last = time.perf_counter()
+                while total is None or done < total:
+                    if stop.requested:
+                        history.stopped = "interrupted"
+                        break
+                    try:
+                        batch = src.next(self._step)
+                    except StopIteration:
+                        history.stopped = "data ran out"
+                        break
+                    placed, rows = self._place(batch, own)
+                    if self.balance == "measured" and not self.spmd and self._weights is None:
+                        self._weights = self._measure(placed)
+                        placed, rows = self._place(batch, own)
+                    if done == 0:
+                        self._check_loss(placed)
+                        self._compile(placed)
+                        last = time.perf_counter()
+                    out = self._dispatch(placed)
+                    done += 1
+                    current = (self._step, out, rows)
+                    if one_in_flight:
+                        last = self._finish(current, last, history, run, bar)
+                    else:
+                        if pending is not None:
+                            last = self._finish(pending, last, history, run, bar)
+                        pending = current
+                if pending is not None:
+                    last = self._finish(pending, last, history, run, bar)
+        except FloatingPointError as e:
+            error = e
+        finally:
+            bar.close()
+            if isinstance(src, _data.ArraySource):
+                self._position = {**src.position, "rows": src.rows}
+        if error is not None:
+            history.stopped = "nan"
+            raise error
+        if history.stopped == "interrupted":
+            raise KeyboardInterrupt(
+                f"Trainer.fit stopped at step {self._step} ({len(history)} step(s) this fit); params, "
+                "opt_state and step are those of that step; fit again to go on"
+            )
+        if history.stopped == "data ran out" and total is not None:
+            warnings.warn(
+                f"Trainer.fit: the data ended after {len(history)} of {total} step(s); the trainer "
+                f"keeps the state of step {self._step}. Give more batches, or fewer steps",
+                DataRanOut,
+                stacklevel=2,
+            )
+        return history
+
+    def _total(self, src: Any, steps: Any, epochs: Any, where: str) -> int | None:
+        if steps is not None and epochs is not None:
+            raise TypeError(f"{where}: give steps= or epochs=, not both")
+        if steps is not None:
+            return whole(steps, "steps", where, lo=1, example=1000, note="steps to run")
+        if epochs is not None:
+            epochs = whole(epochs, "epochs", where, lo=1, example=5, note="passes over the data")
+            if not isinstance(src, _data.ArraySource):
+                raise TypeError(
+                    f"{where}: epochs= needs arrays that mgkit batches; for other data give steps="
+                )
+            return epochs * src.steps_per_epoch
+        if isinstance(src, _data.ArraySource):
+            return src.steps_per_epoch
+        if isinstance(src, _data.FunctionSource):
+            raise TypeError(
+                f"{where}: data is a function step -> batch; say how many steps to run, e.g. steps=1000"
+            )
+        return None
+
+    def _compile(self, placed: tuple) -> None:
+        """Compiles the step for these arguments while Ctrl-C still works (``_progress.compile``)."""
+        if self.spmd:
+            _progress.compile(self._program, (self._params, self._opt, *placed))
+
+    def _measure(self, placed: tuple) -> tuple[float, ...]:
+        """Rows per second of each context's gradient on an equal part (after a warm-up)."""
+        parts, sizes = placed
+        speeds = []
+        for i, part in enumerate(parts):
+            if not sizes[i]:
+                speeds.append(1.0)
+                continue
+            jax.block_until_ready(self._program.grad(self._replicas[i], part))
+            t0 = time.perf_counter()
+            jax.block_until_ready(self._program.grad(self._replicas[i], part))
+            speeds.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
+        return tuple(speeds)
+
+    def _finish(self, item: tuple, last: float, history: History, run: Any, bar: _Bar) -> float:
+        """Reads a dispatched step's loss (waiting for it), records its step events and history
+        entry; raises FloatingPointError for a skipped update under ``on_nan="raise"``."""
+        step, out, rows = item
+        loss = float(out.loss)
+        ok = bool(out.ok)
+        now = time.perf_counter()
+        history.append(step, loss if ok else float("nan"), now - last, rows)
+        run.samples = rows
+        run.steps([(i, step, np.asarray(loss), np.asarray(np.nan)) for i in range(len(rows))])
+        bar.tick()
+        if not ok and self.on_nan == "raise":
+            raise FloatingPointError(
+                f"Trainer.fit: step {step}'s loss is {loss} (or a gradient is not finite): its update was "
+                f"not applied, and the fit stopped. params and opt_state are the last finite ones (step "
+                f"{self._step}). Lower the learning rate, check the batch's data, or pass "
+                "on_nan='skip' to skip such steps"
+            )
+        return now
+
+
+class _Bar:
+    """The fit's progress bar: after a second of work (``progress`` None), at once (True) or
+    never (False); updated at most ten times a second."""
+
+    def __init__(self, run: Any, progress: bool | None):
+        self.run, self.bar = run, None
+        self.show_at = None if progress is False else run.start + (0.0 if progress else 1.0)
+        self._next = 0.0
+
+    def tick(self) -> None:
+        if self.show_at is None:
+            return
+        now = time.perf_counter()
+        if now < self._next or now < self.show_at:
+            return
+        self._next = now + 0.1
+        if self.bar is None:
+            from tqdm.auto import tqdm  # a widget in notebooks, text elsewhere
+
+            self.bar = tqdm(total=self.run.total, desc=self.run.what, unit="step", leave=True)
+        self.bar.n = self.run.iteration
+        self.bar.set_postfix_str(f"loss {self.run.loss:.6g}", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.n = self.run.iteration
+            self.bar.set_postfix_str(f"loss {self.run.loss:.6g}", refresh=False)
+            self.bar.close()
+            self.bar = None

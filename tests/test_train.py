@@ -1,0 +1,388 @@
+"""mg.Trainer: the same parameters as one device on any number of contexts, the loop path,
+interrupts, NaN, data sources, events and bad input."""
+
+import _thread
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import psutil
+import pytest
+
+import mgkit as mg
+from mgkit.train import _data
+
+STEPS = 200
+
+
+def _problem(n=600, d=12, c=3, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    W = rng.normal(size=(d, c)).astype(np.float32)
+    y = np.argmax(X @ W + 0.5 * rng.normal(size=(n, c)), axis=1).astype(np.int32)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {
+        "w1": jax.random.normal(k1, (d, 16)) * 0.3,
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(k2, (16, c)) * 0.3,
+        "b2": jnp.zeros(c),
+    }
+    return {"x": X, "y": y}, params
+
+
+def _loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+    logits = h @ p["w2"] + p["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _one_device(params, data, optimizer, steps, batch_size, seed=0):
+    """The same training in plain JAX on one device, on the same batches."""
+    src = _data.ArraySource(data, batch_size, True, seed, 1, "test")
+    state = optimizer.init(params)
+
+    @jax.jit
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(_loss)(p, b)
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    for i in range(steps):
+        params, state, _ = step(params, state, src.next(i))
+    return jax.device_get(params)
+
+
+def _close(got, want, rtol=1e-5, atol=1e-6):
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=rtol, atol=atol, err_msg=k)
+
+
+@pytest.mark.parametrize("batch_size", [96, 100])  # 100: uneven over 3, 7 and 8 contexts
+def test_any_number_of_contexts_gives_one_devices_parameters(batch_size):
+    data, params = _problem()
+    opt = optax.adam(1e-2)
+    want = _one_device(params, data, opt, STEPS, batch_size)
+    for k in (1, 2, 3, 4, 8):
+        tr = mg.Trainer(_loss, opt, params, contexts=k)
+        hist = tr.fit(data, steps=STEPS, batch_size=batch_size, progress=False)
+        assert tr.step == STEPS and len(hist) == STEPS and tr.spmd
+        _close(jax.device_get(tr.params), want)
+        assert hist.loss[-1] < 0.5 * hist.loss[0]
+        assert mg.where(jax.tree_util.tree_leaves(tr.params)[0]) == "+".join(f"dev{i}" for i in range(k))
+
+
+def test_contexts_sharing_a_device_run_cutorchs_loop_with_the_same_result():
+    data, params = _problem()
+    opt = optax.adam(1e-2)
+    want = _one_device(params, data, opt, 60, 100)
+    mg.use_contexts("a->cpu0;b->cpu0;c->cpu1", verbose=False)
+    tr = mg.Trainer(_loss, opt, params)
+    assert not tr.spmd and "cutorch" in repr(tr)
+    tr.fit(data, steps=60, batch_size=100, progress=False)
+    _close(jax.device_get(tr.params), want)
+    mg.ledger().flush()
+    kinds = {(k, s, d) for k, s, d, *_ in mg.ledger().summary().rows()}
+    assert ("gather", "c", "a") in kinds and ("replicate", "a", "c") in kinds
+    assert ("gather", "b", "a") not in kinds  # b shares a's device: nothing to move
+
+
+def test_two_fits_are_one_fit():
+    data, params = _problem()
+    opt = optax.adam(1e-2)
+    one = mg.Trainer(_loss, opt, params)
+    one.fit(data, steps=40, batch_size=64, progress=False)
+    two = mg.Trainer(_loss, opt, params)
+    two.fit(data, steps=25, batch_size=64, progress=False)
+    two.fit(data, steps=15, batch_size=64, progress=False)
+    assert two.step == 40
+    for a, b in zip(
+        jax.tree_util.tree_leaves(one.params), jax.tree_util.tree_leaves(two.params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_callers_params_are_never_donated():
+    data, params = _problem()
+    tr = mg.Trainer(_loss, optax.sgd(0.1), params)
+    tr.fit(data, steps=3, batch_size=64, progress=False)
+    np.testing.assert_array_equal(np.asarray(params["b1"]), 0.0)  # still readable, unchanged
+
+
+def test_each_step_records_one_step_event_per_context_and_the_batches_placement():
+    data, params = _problem()
+    tr = mg.Trainer(_loss, optax.sgd(0.1), params, contexts=4)
+    hist = tr.fit(data, steps=5, batch_size=40, progress=False)
+    mg.ledger().flush()
+    steps = mg.ledger().records("step")
+    assert len(steps) == 5 * 4 and {e.src for e in steps} == {"dev0", "dev1", "dev2", "dev3"}
+    last = steps[-1].info
+    assert last["iteration"] == 5 and last["loss"] == pytest.approx(hist.loss[-1])
+    assert last["samples_per_second"] > 0
+    splits = mg.ledger().records("split")
+    assert {e.dst for e in splits} == {"dev0", "dev1", "dev2", "dev3"} and len(splits) == 5 * 4
+    assert "5 step(s) on 4 context(s)" in repr(hist)
+
+
+def test_history_plots_loss_and_samples_per_second():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    data, params = _problem()
+    hist = mg.Trainer(_loss, optax.sgd(0.1), params, contexts=2).fit(
+        data, steps=6, batch_size=32, progress=False
+    )
+    fig = hist.plot()
+    assert fig.axes[0].get_title() == "loss" and len(fig.axes[1].lines) == 2
+    assert hist.samples_per_second.shape == (6,) and set(hist.per_context()) == {"dev0", "dev1"}
+
+
+def test_has_aux_and_a_function_and_an_iterable_as_data():
+    data, params = _problem()
+
+    def loss_aux(p, b):
+        loss = _loss(p, b)
+        return loss, {"double": 2 * loss}
+
+    tr = mg.Trainer(loss_aux, optax.sgd(0.1), params, has_aux=True)
+    tr.fit(lambda step: {"x": data["x"][:64], "y": data["y"][:64]}, steps=3, progress=False)
+    assert tr.step == 3
+    batches = [{"x": data["x"][i : i + 50], "y": data["y"][i : i + 50]} for i in range(0, 200, 50)]
+    hist = tr.fit(batches, progress=False)  # until the list ends: no warning
+    assert tr.step == 7 and len(hist) == 4 and hist.stopped == "data ran out"
+    with pytest.warns(_data_warning(), match=r"the data ended after 4 of 10 step\(s\).*state of step 11"):
+        tr.fit(iter(batches), steps=10, progress=False)
+    assert tr.step == 11
+
+
+def _data_warning():
+    return mg.train.DataRanOut
+
+
+@pytest.mark.parametrize("on_nan", ["raise", "skip"])
+def test_a_nan_loss_keeps_the_last_good_parameters(on_nan):
+    data, params = _problem()
+    bad = {"x": data["x"][:64].copy(), "y": data["y"][:64]}
+    bad["x"][3, 2] = np.nan
+    good = {"x": data["x"][64:128], "y": data["y"][64:128]}
+
+    def batches(step):
+        return bad if step == 2 else good
+
+    tr = mg.Trainer(_loss, optax.sgd(0.1), params, on_nan=on_nan, contexts=4)
+    if on_nan == "raise":
+        with pytest.raises(FloatingPointError, match=r"step 3's loss is nan.*not applied.*on_nan='skip'"):
+            tr.fit(batches, steps=5, progress=False)
+        assert tr.history.stopped == "nan"
+    else:
+        hist = tr.fit(batches, steps=5, progress=False)
+        assert np.isnan(hist.loss[2]) and np.isfinite(hist.loss[[0, 1, 3, 4]]).all()
+    for leaf in jax.tree_util.tree_leaves(tr.params):
+        assert np.isfinite(np.asarray(leaf)).all()
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_the_next_fit_goes_on():
+    data, params = _problem()
+    tr = mg.Trainer(_loss, optax.adam(1e-2), params)
+    seen = []
+
+    def batches(step):
+        seen.append(step)
+        if step == 30:
+            threading.Timer(0.0, _thread.interrupt_main).start()
+            time.sleep(0.05)
+        return {"x": data["x"][:64], "y": data["y"][:64]}
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt, match="stopped at step"):
+        tr.fit(batches, steps=10_000, progress=False)
+    assert time.perf_counter() - t0 < 30
+    stopped = tr.step
+    assert 30 <= stopped <= 32 and len(tr.history) == stopped and tr.history.stopped == "interrupted"
+    for leaf in jax.tree_util.tree_leaves(tr.params):  # never a donated buffer
+        assert np.isfinite(np.asarray(leaf)).all()
+    tr.fit(batches, steps=5, progress=False)
+    assert tr.step == stopped + 5
+
+
+@pytest.mark.timeout(240)
+def test_two_thousand_steps_on_eight_simulated_devices_do_not_deadlock():
+    data, params = _problem(n=256)
+    tr = mg.Trainer(_loss, optax.sgd(0.05), params)
+    hist = tr.fit(data, steps=2000, batch_size=64, progress=False)
+    assert tr.step == 2000 and np.isfinite(hist.loss).all()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import mgkit as mg
+    mg.simulate(8)
+    import jax, jax.numpy as jnp, optax
+    mg.use_contexts(";".join(f"d{i}->cpu{i}" for i in range(8)), verbose=False)
+    X = np.random.default_rng(0).normal(size=(4096, 64)).astype(np.float32)
+    params = {"w": jnp.zeros((64, 64)), "v": jnp.zeros(64)}
+    def loss_fn(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w"]) @ p["v"] - b["x"][:, 0]) ** 2)
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), params)
+    tr.fit({"x": X}, steps=2, batch_size=512, progress=False)
+    print("ready", flush=True)
+    try:
+        tr.fit({"x": X}, steps=10**7, batch_size=512, progress=False)
+    except KeyboardInterrupt:
+        t = time.perf_counter()
+        print("stopped", tr.step, len(tr.history), float(np.asarray(tr.params["v"]).sum()), flush=True)
+        tr.fit({"x": X}, steps=3, batch_size=512, progress=False)
+        print("again", tr.step, time.perf_counter() - t, flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_sigint_in_a_subprocess_returns_within_a_second_with_a_consistent_state(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        line = proc.stdout.readline().split()
+        waited = time.perf_counter() - sent
+        assert line[0] == "stopped", proc.stderr.read()
+        step, steps = int(line[1]), int(line[2])
+        assert waited < 1.0 + 0.5 and step == steps + 2 and np.isfinite(float(line[3]))
+        again = proc.stdout.readline().split()
+        assert again[0] == "again" and int(again[1]) == step + 3
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+_DATA, _PARAMS = _problem(n=64)
+
+
+def _fit(**kw):
+    tr = mg.Trainer(
+        kw.pop("loss_fn", _loss),
+        kw.pop("opt", optax.sgd(0.1)),
+        kw.pop("params", _PARAMS),
+        **kw.pop("init", {}),
+    )
+    return tr.fit(kw.pop("data", _DATA), progress=False, **kw)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda: mg.Trainer("loss", optax.sgd(0.1), _PARAMS),
+            TypeError,
+            r"loss_fn must be a function.*got str",
+        ),
+        (lambda: mg.Trainer(_loss, "adam", _PARAMS), TypeError, r"optax GradientTransformation.*got str"),
+        (
+            lambda: mg.Trainer(_loss, optax.sgd, _PARAMS),
+            TypeError,
+            r"optax GradientTransformation.*got function",
+        ),
+        (lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": 1.0}), TypeError, r"params leaf \['w'\] is a float"),
+        (
+            lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": np.arange(3)}),
+            TypeError,
+            r"\['w'\] has dtype int64.*floating",
+        ),
+        (lambda: mg.Trainer(_loss, optax.sgd(0.1), {}), ValueError, r"params has no arrays"),
+        (lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": ["a"]}), TypeError, r"\['w'\]\[0\]"),
+        (
+            lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, on_nan="ignore"),
+            ValueError,
+            r"on_nan='ignore'.*'skip'",
+        ),
+        (lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, contexts=["nope"]), mg.ContextError, r"nope"),
+        (lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, seed=-1), ValueError, r"seed"),
+        (lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, balance="fast"), ValueError, r"balance='fast'"),
+        (lambda: _fit(steps=0), ValueError, r"steps"),
+        (lambda: _fit(steps=-5), ValueError, r"steps"),
+        (lambda: _fit(steps=2.5), TypeError, r"steps"),
+        (lambda: _fit(batch_size=65), ValueError, r"batch_size=65 is larger than the data \(64 rows\)"),
+        (lambda: _fit(batch_size=4), ValueError, r"batch_size=4 is smaller than the 8 contexts"),
+        (lambda: _fit(batch_size=0), ValueError, r"batch_size"),
+        (
+            lambda: _fit(data={"x": _DATA["x"], "y": _DATA["y"][:10]}),
+            ValueError,
+            r"different row counts.*\['x'\]: 64.*\['y'\]: 10",
+        ),
+        (lambda: _fit(data={"x": _DATA["x"][:0], "y": _DATA["y"][:0]}), ValueError, r"0 rows"),
+        (lambda: _fit(data=None), TypeError, r"data is None"),
+        (lambda: _fit(data=5), ValueError, r"scalar"),
+        (lambda: _fit(data=lambda s: _DATA), TypeError, r"say how many steps"),
+        (
+            lambda: _fit(data=lambda s: _DATA, steps=2, batch_size=8),
+            TypeError,
+            r"batch_size=8 applies to arrays",
+        ),
+        (
+            lambda: _fit(data=[{"x": _DATA["x"][:4], "y": _DATA["y"][:4]}]),
+            ValueError,
+            r"4 row\(s\), fewer than the 8 contexts",
+        ),
+        (lambda: _fit(steps=3, epochs=1), TypeError, r"steps= or epochs=, not both"),
+        (lambda: _fit(data=iter([_DATA]), epochs=2), TypeError, r"epochs= needs arrays"),
+        (
+            lambda: _fit(loss_fn=lambda p, b: _loss(p, b) * jnp.ones(3)),
+            TypeError,
+            r"must return a scalar.*shape \(3,\)",
+        ),
+        (
+            lambda: _fit(loss_fn=lambda p, b: jnp.sum(b["y"])),
+            TypeError,
+            r"returned a int32 scalar.*floating point",
+        ),
+        (
+            lambda: _fit(loss_fn=lambda p, b: (_loss(p, b), 1.0)),
+            TypeError,
+            r"\(loss, aux\)\? pass has_aux=True",
+        ),
+        (
+            lambda: _fit(loss_fn=_loss, init={"has_aux": True}),
+            TypeError,
+            r"has_aux=True, but loss_fn returned",
+        ),
+        (lambda: _fit(data=object()), TypeError, r"data must be a pytree of arrays, a function"),
+    ],
+)
+def test_bad_input_is_named_with_the_fix(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_loss_function_that_fails_says_so():
+    with pytest.raises(KeyError, match=r"loss_fn\(params, batch\) failed on the first batch"):
+        _fit(loss_fn=lambda p, b: b["missing"].sum())
+
+
+def test_the_iterable_ending_early_keeps_the_state_and_warns():
+    tr = mg.Trainer(_loss, optax.sgd(0.1), _PARAMS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr.fit([_DATA, _DATA], steps=5, progress=False)
+    assert tr.step == 2 and any("ended after 2 of 5" in str(w.message) for w in caught)
