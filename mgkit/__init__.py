@@ -30,6 +30,8 @@ from ._parallel import parallel as parallel
 from ._parallel import pmap as pmap
 from ._parallel import run_each as run_each
 from ._parallel import split as split
+from ._prefetch import Prefetch as Prefetch
+from ._prefetch import prefetch as prefetch
 from ._spmd import clear_caches as clear_caches
 from ._transfer import colocate as colocate
 from ._transfer import put as put
@@ -49,6 +51,7 @@ __all__ = [
     "Event",
     "Ledger",
     "Parallel",
+    "Prefetch",
     "ThroughputView",
     "TransferView",
     "clear_caches",
@@ -64,6 +67,7 @@ __all__ = [
     "on",
     "parallel",
     "pmap",
+    "prefetch",
     "put",
     "run_each",
     "simulate",
