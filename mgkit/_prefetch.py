@@ -27,7 +27,7 @@ import numpy as np
 
 from ._numbers import whole
 from ._parallel import split
-from ._spmd import Batch, Targets, place_spmd, resolve, shares
+from ._spmd import Batch, Targets, kept, place_spmd, resolve, shares
 from ._transfer import leaves_of
 
 _SLICE = 0.1  # seconds: the longest either side blocks before it looks at the stop flag again
@@ -53,7 +53,10 @@ class _State:
     so a ``Prefetch`` that is dropped can be collected (and its finalizer stop the thread)."""
 
     def __init__(self, size: int):
-        self.queue: queue.Queue = queue.Queue(maxsize=size)
+        # A slot is taken before a batch is loaded and given back when the caller takes it: at
+        # most ``size`` batches are placed ahead of the one the caller holds.
+        self.slots = threading.Semaphore(size)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stop = threading.Event()
         self.load = 0.0  # seconds in the iterable's next() and in place()
         self.wait_space = 0.0  # seconds the loader waited for a free slot
@@ -69,10 +72,18 @@ class _State:
 
 
 def _load(state: _State, iterator: Iterator, place: Callable[[Any], Any]) -> None:
-    """The loader thread: next(), place(), put, until the iterable ends, raises, or ``stop``."""
+    """The loader thread: a free slot, next(), place(), put, until the iterable ends, raises,
+    or ``stop`` is set."""
     try:
         for index in itertools.count():
             t0 = time.perf_counter()
+            while not state.slots.acquire(timeout=_SLICE):
+                if state.stop.is_set():
+                    return
+            t1 = time.perf_counter()
+            state.wait_space += t1 - t0
+            if state.stop.is_set():
+                return
             try:
                 item: Any = next(iterator)
             except StopIteration:
@@ -86,17 +97,8 @@ def _load(state: _State, iterator: Iterator, place: Callable[[Any], Any]) -> Non
                     item = _Failed(e, index)
             if state.stop.is_set():
                 return
-            if not isinstance(item, _Done):
-                state.load += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            while True:
-                try:
-                    state.queue.put(item, timeout=_SLICE)
-                    break
-                except queue.Full:
-                    if state.stop.is_set():
-                        return
-            state.wait_space += time.perf_counter() - t1
+            state.load += time.perf_counter() - t1
+            state.queue.put(item)
             if isinstance(item, _Done | _Failed):
                 return
     finally:
@@ -119,7 +121,7 @@ def _shutdown(state: _State, join: float) -> None:
 
 class Prefetch:
     """A bounded background loader over ``iterable``: a daemon thread calls ``place(batch)`` on
-    each batch and keeps up to ``size`` placed batches ready for the caller.
+    each batch and keeps up to ``size`` placed batches ready ahead of the one the caller holds.
 
     Iterate it to get the placed batches in order. An exception from the iterable or from
     ``place`` is raised in the caller after the batches before it (the same exception, with the
@@ -130,7 +132,8 @@ class Prefetch:
     Args:
       iterable: any iterable of batches (a list, a generator, an endless iterator).
       place: ``place(batch) -> placed batch``, called on the loader thread.
-      size: how many placed batches the loader keeps ready (a whole number, at least 1).
+      size: how many batches are loaded and placed ahead of the one the caller holds (a whole
+        number, at least 1): the memory the loader takes is ``size`` placed batches.
       where: the caller's name, for messages and the thread's name (``mgkit-prefetch-<where>``).
 
     >>> with Prefetch(range(3), lambda b: b * 10) as it:
@@ -164,33 +167,12 @@ class Prefetch:
         return self
 
     def __next__(self) -> Any:
-        state = self._state
-        if self._ended or state.stop.is_set():
-            self._ended = True
-            raise StopIteration
-        t0 = time.perf_counter()
         try:
-            while True:
-                try:
-                    item = state.queue.get(timeout=_SLICE)  # in slices: Ctrl-C comes back at once
-                    break
-                except queue.Empty:
-                    if state.stop.is_set() or not state.thread.is_alive():
-                        try:  # the loader may have put its last item just before it ended
-                            item = state.queue.get_nowait()
-                            break
-                        except queue.Empty:
-                            self._ended = True
-                            raise StopIteration from None
+            item = self._take()
         except KeyboardInterrupt:
-            _shutdown(state, 0.0)  # no waiting here: close() joins the thread
+            _shutdown(self._state, 0.0)  # no waiting here: close() joins the thread
             self._ended = True
             raise
-        finally:
-            self._wait_data += time.perf_counter() - t0
-        if isinstance(item, _Done):
-            self._ended = True
-            raise StopIteration
         if isinstance(item, _Failed):
             self._ended = True
             self.close()
@@ -200,14 +182,38 @@ class Prefetch:
                     f"{self.where}: place(batch) raised StopIteration at batch {item.index}, which "
                     "would end the loop as if the data were exhausted; raise another exception there"
                 ) from error
-            error.add_note(
-                f"mgkit: raised on the {self.where} loader thread at batch {item.index} "
-                f"(batches 0 to {item.index - 1} were delivered before it)"
-                if item.index
-                else f"mgkit: raised on the {self.where} loader thread at batch 0"
-            )
+            before = {0: "", 1: ", after batch 0"}.get(item.index, f", after batches 0 to {item.index - 1}")
+            error.add_note(f"mgkit: raised on the {self.where} loader thread at batch {item.index}{before}")
             raise error
         self._batches += 1
+        return item
+
+    def _take(self) -> Any:
+        """The next item from the loader, waited for in slices so that Ctrl-C comes back at once."""
+        state = self._state
+        if self._ended or state.stop.is_set():
+            self._ended = True
+            raise StopIteration
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    item = state.queue.get(timeout=_SLICE)
+                    break
+                except queue.Empty:
+                    if state.stop.is_set() or not state.thread.is_alive():
+                        try:  # the loader may have put its last item just before it ended
+                            item = state.queue.get_nowait()
+                            break
+                        except queue.Empty:
+                            self._ended = True
+                            raise StopIteration from None
+        finally:
+            self._wait_data += time.perf_counter() - t0
+        state.slots.release()
+        if isinstance(item, _Done):
+            self._ended = True
+            raise StopIteration
         return item
 
     def close(self) -> None:
@@ -248,7 +254,9 @@ class Prefetch:
 
     def __repr__(self) -> str:
         thread = self._state.thread
-        status = "running" if thread is not None and thread.is_alive() else "stopped"
+        status = (
+            "closed" if self.closed else "running" if thread is not None and thread.is_alive() else "ended"
+        )
         return f"Prefetch(size={self.size}, batches={self._batches}, {status})"
 
 
@@ -323,11 +331,28 @@ def _placer(targets: Targets) -> Callable[[Any], Any]:
         leaves, treedef = leaves_of(batch, "prefetch", names)
         n = _rows(leaves, names, index, targets)
         if targets.spmd and n % k == 0:
-            placed = place_spmd(Batch(leaves, treedef, (0,) * len(leaves), n, names), targets, shares(n, k))
-            return jax.tree_util.tree_unflatten(treedef, placed)
+            leaves, own = _converted(leaves)
+            batch_ = Batch(leaves, treedef, (0,) * len(leaves), n, names)
+            return jax.tree_util.tree_unflatten(treedef, place_spmd(batch_, targets, shares(n, k), own=own))
         return split(batch, targets.names)
 
     return place
+
+
+def _converted(leaves: list) -> tuple[list, list[int]]:
+    """Host arrays of a dtype JAX converts (float64 without x64) converted here, as fresh arrays
+    (the indices are returned: they are the loader's own, not the caller's).
+
+    JAX 0.10 places a host array of such a dtype over several devices from a conversion it
+    keeps per array object: a loader that refills one float64 buffer would get its first
+    contents every time (reproduced with a plain ``jax.device_put(buf, NamedSharding(...))``).
+    """
+    out, own = list(leaves), []
+    for i, leaf in enumerate(leaves):
+        if type(leaf) is np.ndarray and not kept(leaf.dtype):
+            out[i] = leaf.astype(jax.dtypes.canonicalize_dtype(leaf.dtype))
+            own.append(i)
+    return out, own
 
 
 def _rows(leaves: list, names: Callable[[int], str], index: int, targets: Targets) -> int:

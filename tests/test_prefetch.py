@@ -2,6 +2,7 @@
 
 import _thread
 import gc
+import itertools
 import threading
 import time
 import traceback
@@ -117,8 +118,10 @@ def test_every_placement_is_in_the_ledger():
     assert sorted(e.info["rows"] for e in mg.ledger().records("split")) == [2, 2, 3, 3]
 
 
-def test_a_placed_batch_does_not_share_the_loaders_buffer():
-    buffer = np.zeros((8, 2), np.float32)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+@pytest.mark.parametrize("rows", [8, 8192, 10])  # small, large, uneven (split's parts)
+def test_a_placed_batch_does_not_share_the_loaders_buffer(rows, dtype):
+    buffer = np.zeros((rows, 2), dtype)
 
     def reused():
         for i in range(3):
@@ -127,7 +130,34 @@ def test_a_placed_batch_does_not_share_the_loaders_buffer():
 
     with mg.prefetch(reused(), size=3) as it:
         time.sleep(0.2)  # every batch placed before any is read
-        assert [float(b[0, 0]) for b in it] == [0.0, 1.0, 2.0]
+        got = [np.asarray(mg.concat(b) if isinstance(b, dict) else b) for b in it]
+    assert [float(b[0, 0]) for b in got] == [0.0, 1.0, 2.0]
+    assert [float(b[-1, -1]) for b in got] == [0.0, 1.0, 2.0]
+
+
+def test_at_most_size_batches_are_placed_ahead_of_the_callers():
+    placed = []
+
+    def place(b):
+        placed.append(b)
+        return b
+
+    with mg.Prefetch(itertools.count(), place, size=3) as it:
+        time.sleep(0.3)
+        assert placed == [0, 1, 2]
+        assert next(it) == 0
+        time.sleep(0.3)
+        assert placed == [0, 1, 2, 3]
+        assert repr(it) == "Prefetch(size=3, batches=1, running)"
+    assert repr(it) == "Prefetch(size=3, batches=1, closed)"
+
+
+def test_a_list_ends_the_iteration_and_the_thread():
+    it = mg.Prefetch([1, 2], lambda b: b)
+    assert list(it) == [1, 2]
+    assert _no_thread_left()
+    assert repr(it) == "Prefetch(size=2, batches=2, ended)"
+    assert list(it) == []
 
 
 # -- errors at their position --------------------------------------------------------------
@@ -254,7 +284,7 @@ def test_place_must_be_callable():
 # -- closing -------------------------------------------------------------------------------
 
 
-def test_close_with_the_loader_blocked_on_a_full_queue():
+def test_close_with_the_loader_waiting_for_a_free_slot():
     it = mg.prefetch(_batches(10**6, rows=8), size=1)
     time.sleep(0.2)  # the loader fills its one slot, then waits for space
     assert _mgkit_threads()
@@ -265,7 +295,7 @@ def test_close_with_the_loader_blocked_on_a_full_queue():
     it.close()  # twice: harmless
     with pytest.raises(StopIteration):
         next(it)
-    assert "stopped" in repr(it)
+    assert "closed" in repr(it)
 
 
 def test_close_does_not_wait_for_a_slow_next_and_the_thread_ends_after_it():
