@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._contexts import ContextMap
 from ._numbers import whole
 from ._parallel import split
 from ._spmd import Batch, Targets, kept, place_spmd, resolve, shares
@@ -313,13 +314,14 @@ def prefetch(iterable: Iterable, contexts: Any = None, size: int = 2) -> Prefetc
             "iteration gives its keys; pass an iterable of batches instead, e.g. "
             "mg.prefetch(({k: v[i:i + 256] for k, v in data.items()} for i in range(0, n, 256)))"
         )
-    return Prefetch(iterable, _placer(targets), size, "prefetch")
+    return Prefetch(iterable, _placer(targets, contexts), size, "prefetch")
 
 
-def _placer(targets: Targets) -> Callable[[Any], Any]:
+def _placer(targets: Targets, contexts: Any) -> Callable[[Any], Any]:
     """``place(batch)`` for ``prefetch``: checks the batch (named by its index) and places it."""
     counter = itertools.count()
     k = len(targets.names)
+    parts = contexts if isinstance(contexts, ContextMap) else targets.names  # for split, as resolved
 
     def place(batch: Any) -> Any:
         index = next(counter)
@@ -334,7 +336,7 @@ def _placer(targets: Targets) -> Callable[[Any], Any]:
             leaves, own = _converted(leaves)
             batch_ = Batch(leaves, treedef, (0,) * len(leaves), n, names)
             return jax.tree_util.tree_unflatten(treedef, place_spmd(batch_, targets, shares(n, k), own=own))
-        return split(batch, targets.names)
+        return split(batch, parts)
 
     return place
 

@@ -19,13 +19,17 @@ def _mgkit_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("mgkit-prefetch")]
 
 
-def _no_thread_left(within: float = 2.0) -> bool:
+def _wait_for(condition, within: float = 2.0) -> bool:
     deadline = time.monotonic() + within
-    while _mgkit_threads():
+    while not condition():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
+
+
+def _no_thread_left(within: float = 2.0) -> bool:
+    return _wait_for(lambda: not _mgkit_threads(), within)
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +97,15 @@ def test_uneven_batches_come_as_split_does():
     assert [parts[n]["x"].shape[0] for n in parts] == [3, 3, 2, 2]
 
 
+def test_a_context_map_that_is_not_installed():
+    other = mg.ContextMap.parse("p->cpu6;q->cpu7")
+    with mg.prefetch([np.arange(6), np.arange(5)], contexts=other) as it:
+        even, uneven = list(it)
+    assert {d.id for d in even.devices()} == {6, 7} and even.sharding.spec == P("mgkit")
+    assert list(uneven) == ["p", "q"] and uneven["q"].tolist() == [3, 4]
+    assert uneven["q"].devices() == {jax.devices()[7]}
+
+
 def test_contexts_on_one_device_come_as_split_does():
     mg.use_contexts("a->cpu0;b->cpu0", verbose=False)
     with mg.prefetch([np.arange(8)]) as it:
@@ -143,9 +156,11 @@ def test_at_most_size_batches_are_placed_ahead_of_the_callers():
         return b
 
     with mg.Prefetch(itertools.count(), place, size=3) as it:
-        time.sleep(0.3)
+        assert _wait_for(lambda: len(placed) == 3)
+        time.sleep(0.3)  # and no more
         assert placed == [0, 1, 2]
         assert next(it) == 0
+        assert _wait_for(lambda: len(placed) == 4)
         time.sleep(0.3)
         assert placed == [0, 1, 2, 3]
         assert repr(it) == "Prefetch(size=3, batches=1, running)"
