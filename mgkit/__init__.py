@@ -31,6 +31,8 @@ from ._parallel import parallel as parallel
 from ._parallel import pmap as pmap
 from ._parallel import run_each as run_each
 from ._parallel import split as split
+from ._prefetch import Prefetch as Prefetch
+from ._prefetch import prefetch as prefetch
 from ._spmd import clear_caches as clear_caches
 from ._transfer import colocate as colocate
 from ._transfer import put as put
@@ -53,6 +55,7 @@ __all__ = [
     "History",
     "Ledger",
     "Parallel",
+    "Prefetch",
     "ThroughputView",
     "Trainer",
     "TransferView",
@@ -69,6 +72,7 @@ __all__ = [
     "on",
     "parallel",
     "pmap",
+    "prefetch",
     "put",
     "run_each",
     "simulate",
