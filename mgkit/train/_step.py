@@ -56,20 +56,20 @@ def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
 
 def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads) -> tuple:
     """The optax update where the loss and every gradient are finite, else the state as it was:
-    (params, opt_state, ok)."""
-    updates, new_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    (params, opt_state, ok). One branch runs (``lax.cond`` on a replicated flag), so a guarded
+    step costs what an unguarded one does."""
     finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]
     ok = jnp.isfinite(loss) & jnp.all(jnp.stack(finite)) if finite else jnp.isfinite(loss)
 
-    def keep(new, old):
-        return jnp.where(ok, new, old)
+    def apply(params, opt_state, grads):
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state
 
-    return (
-        jax.tree_util.tree_map(keep, new_params, params),
-        jax.tree_util.tree_map(keep, new_state, opt_state),
-        ok,
-    )
+    def keep(params, opt_state, grads):
+        return params, opt_state
+
+    params, opt_state = jax.lax.cond(ok, apply, keep, params, opt_state, grads)
+    return params, opt_state, ok
 
 
 def spmd_step(

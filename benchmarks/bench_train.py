@@ -1,0 +1,221 @@
+"""What mg.Trainer costs: its steps against a hand-written data-parallel step doing the same work,
+measured in the same run.
+
+Usage::
+
+    python benchmarks/bench_train.py [--steps 200] [--rounds 6] [--devices 8] [--load-ms 0]
+
+Contexts ``d0..d7 -> cpu0..cpu7`` on ``mg.simulate(8)`` CPU devices without an accelerator; on
+a machine with GPUs, ``d0..dN`` on them. The model is an MLP 784-256-10 (tanh), softmax
+cross-entropy, ``optax.adamw(1e-3)``, on synthetic 784-feature data (digits-sized rows).
+
+The peer is the step a careful user writes by hand: the same loss and optax update in one
+``jax.jit`` with ``NamedSharding`` (parameters and optimizer state replicated and donated, the
+batch split along its rows), fed the same batches (rows picked by the same shuffled order from
+the same host arrays, then ``jax.device_put`` with the split sharding), reading each step's
+loss (on CPU devices before the next step, as mgkit does: XLA's CPU runtime must not have two
+collective programs in flight; on accelerators one step late).
+
+  (a) dispatch-bound  batch 256: Trainer time per step / peer's. Goal <= 1.05.
+  (b) compute-bound   batch 16,384. Goal <= 1.03.
+  (c) slow loader     a data function that takes ``--load-ms`` (default: 1.5x the peer's step
+                      in (a)) per batch: time per step with the trainer's prefetch against
+                      max(load, step). Goal <= 1.1 x max(load, step) + 1 ms.
+  (d) watched         (a) with a live mg.Dashboard attached (the ledger is always on): Trainer
+                      time per step / (a)'s Trainer without. Goal <= 1.05.
+
+Each round runs every variant for ``--steps`` steps in ABBA order; medians of the rounds and the
+median of per-round ratios are printed. Timings are reported, never asserted; exit status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _stats import median, quartiles, table
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mgkit as mg
+
+AXIS = "x"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="mg.Trainer against a hand-written data-parallel step.")
+    p.add_argument("--steps", type=int, default=200, help="steps per variant per round (default 200)")
+    p.add_argument("--rounds", type=int, default=6, help="ABBA rounds (default 6)")
+    p.add_argument("--devices", type=int, default=8, help="simulated CPU devices without a GPU (default 8)")
+    p.add_argument("--load-ms", type=float, default=0.0, help="(c) the loader's time per batch (0: 1.5x a step)")
+    p.add_argument("--rows", type=int, default=32768, help="rows of synthetic data (default 32768)")
+    args = p.parse_args(argv)
+    if args.steps < 2 or args.rounds < 1 or args.devices < 1 or args.rows < 16384:
+        p.error("--steps >= 2, --rounds >= 1, --devices >= 1, --rows >= 16384")
+    return args
+
+
+def mlp_init(key):
+    k1, k2 = jax.random.split(key)
+    return {
+        "w1": jax.random.normal(k1, (784, 256)) * (1 / 28),
+        "b1": jnp.zeros(256),
+        "w2": jax.random.normal(k2, (256, 10)) * (1 / 16),
+        "b2": jnp.zeros(10),
+    }
+
+
+def loss_fn(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    logits = h @ params["w2"] + params["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+class Peer:
+    """The hand-written step: jit with NamedSharding, same batches, same optax update."""
+
+    def __init__(self, params, optimizer, devices, data, batch_size, seed=0):
+        mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+        self.rep, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+        self.params = jax.device_put(jax.tree_util.tree_map(jnp.copy, params), self.rep)
+        self.opt = jax.jit(optimizer.init, out_shardings=self.rep)(self.params)
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.n = len(data["y"])
+        self.epoch, self.index, self.perm = 0, 0, None
+        self.late = devices[0].platform != "cpu"
+
+        def step(p, s, b):
+            loss, g = jax.value_and_grad(loss_fn)(p, b)
+            u, s = optimizer.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        self.step = jax.jit(
+            step, in_shardings=(self.rep, self.rep, self.split), out_shardings=self.rep, donate_argnums=(0, 1)
+        )
+
+    def batch(self):
+        """The next batch's rows, as mgkit's array batching picks them (shuffled per epoch)."""
+        parts, want = [], self.batch_size
+        while want:
+            if self.perm is None or self.perm[0] != self.epoch:
+                self.perm = (self.epoch, np.random.default_rng([self.seed, self.epoch]).permutation(self.n))
+            take = self.perm[1][self.index : self.index + want]
+            parts.append(take)
+            want -= len(take)
+            self.index += len(take)
+            if self.index == self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+        idx = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return {k: v[idx] for k, v in self.data.items()}
+
+    def run(self, steps, batches=None):
+        pending = None
+        for i in range(steps):
+            host = self.batch() if batches is None else batches(i)
+            b = jax.device_put(host, self.split)
+            self.params, self.opt, loss = self.step(self.params, self.opt, b)
+            if self.late:
+                if pending is not None:
+                    float(pending)
+                pending = loss
+            else:
+                float(loss)
+        if pending is not None:
+            float(pending)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def compare(name, variants, args, goal):
+    """Runs the variants ABBA for args.rounds rounds; returns (row, per-step medians)."""
+    times = {k: [] for k in variants}
+    for v in variants.values():  # warm up: compile, first steps
+        v(20)
+    keys = list(variants)
+    for r in range(args.rounds):
+        for k in keys if r % 2 == 0 else keys[::-1]:
+            times[k].append(timed(lambda k=k: variants[k](args.steps)) / args.steps)
+        mg.ledger().clear()
+    a, b = keys
+    paired = [x / y for x, y in zip(times[a], times[b], strict=True)]
+    ratio = median(times[a]) / median(times[b])
+    q = quartiles(paired)
+    row = [
+        name,
+        f"{median(times[a]) * 1e3:.3f} ms",
+        f"{median(times[b]) * 1e3:.3f} ms",
+        f"{ratio:.3f}",
+        f"{median(paired):.3f} [{q[0]:.3f}-{q[1]:.3f}]",
+        f"<= {goal}",
+        "yes" if ratio <= goal else "NO",
+    ]
+    return row, {k: median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    mg.simulate(args.devices)  # CPU devices only; an accelerator, when there is one, is used instead
+    devices = jax.devices()
+    names = [f"d{i}" for i in range(len(devices))]
+    mg.use_contexts(";".join(f"{n}->{d.platform}{d.id}" for n, d in zip(names, devices, strict=True)), verbose=False)
+    print(f"mgkit {mg.__version__}, jax {jax.__version__}, {len(devices)} {devices[0].platform} device(s): {names}")
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(args.rows, 784)).astype(np.float32), "y": rng.integers(0, 10, args.rows).astype(np.int32)}
+    params = mlp_init(jax.random.key(0))
+    opt = optax.adamw(1e-3)
+    rows, steps_ms = [], {}
+    for case, batch_size, goal in (("(a) batch 256", 256, 1.05), ("(b) batch 16384", 16384, 1.03)):
+        tr = mg.Trainer(loss_fn, opt, params)
+        peer = Peer(params, opt, devices, data, batch_size)
+        row, med = compare(
+            case,
+            {
+                "mgkit": lambda n, tr=tr, bs=batch_size: tr.fit(data, steps=n, batch_size=bs, progress=False),
+                "peer": peer.run,
+            },
+            args,
+            goal,
+        )
+        rows.append(row)
+        steps_ms[case] = med
+    # (d): the dashboard attached
+    tr = mg.Trainer(loss_fn, opt, params)
+    dash = {"view": None}
+
+    def watched(n):
+        if dash["view"] is None:
+            dash["view"] = mg.Dashboard(widget=True)
+        tr.fit(data, steps=n, batch_size=256, progress=False)
+
+    plain = mg.Trainer(loss_fn, opt, params)
+
+    def unwatched(n):
+        if dash["view"] is not None:
+            dash["view"].close()
+            dash["view"] = None
+        plain.fit(data, steps=n, batch_size=256, progress=False)
+
+    row, _ = compare("(d) dashboard attached", {"watched": watched, "plain": unwatched}, args, 1.05)
+    if dash["view"] is not None:
+        dash["view"].close()
+    rows.append(row)
+    print()
+    print("time per step, median of rounds; ratio = first / second; paired = median [quartiles] of per-round ratios")
+    print(table(["case", "mgkit", "peer", "ratio", "paired", "goal", "met"], rows))
+    step_a = steps_ms["(a) batch 256"]["peer"]
+    print(f"\nsamples/s: (a) mgkit {256 / steps_ms['(a) batch 256']['mgkit']:,.0f}, peer {256 / step_a:,.0f}; "
+          f"(b) mgkit {16384 / steps_ms['(b) batch 16384']['mgkit']:,.0f}, peer {16384 / steps_ms['(b) batch 16384']['peer']:,.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
