@@ -381,13 +381,13 @@ def test_restore_into_a_model_without_an_entry(tmp_path):
         ck.save(1, state)
         _raises(
             ValueError,
-            ["['ema'] is in the checkpoint but missing from the model"],
+            ["['ema']['w'] is in the checkpoint (an array of shape (3,)", "but missing from the model"],
             ck.restore,
             {"params": {"w": jnp.zeros(3)}, "step": 0},
         )
         _raises(
             ValueError,
-            ["['opt'] is in the model but missing from the checkpoint"],
+            ["['opt'][0] is in the model (an array of shape (1,)", "but missing from the checkpoint"],
             ck.restore,
             state | {"opt": (jnp.zeros(1),)},
         )
@@ -429,3 +429,41 @@ def test_data_that_is_not_json_is_refused_before_writing(tmp_path):
         assert ck.latest() is None
         ck.save(1, {"params": {"w": jnp.zeros(3)}, "step": np.int64(1), "data": {"index": np.int32(7)}})
         assert ck.restore({"params": {"w": jnp.zeros(3)}})["data"] == {"index": 7}
+
+
+def test_a_leaf_that_is_neither_array_nor_number_is_refused(tmp_path):
+    with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
+        _raises(
+            TypeError,
+            ["Trainer: the state's leaf ['params']['act'] = <", "arrays or Python numbers"],
+            ck.save,
+            1,
+            {"params": {"w": jnp.zeros(3), "act": jnp.tanh}, "step": 1},
+        )
+
+
+def test_a_failed_background_save_is_reported_by_the_next_wait(tmp_path, monkeypatch):
+    ck = Checkpoints(tmp_path, every=1, where="Trainer")
+    ck.save(1, {"params": {"w": jnp.zeros(3)}, "step": 1})
+    ck.wait()
+    ck.save(2, {"params": {"w": jnp.ones(3)}, "step": 2})
+    finish = ck._manager.wait_until_finished
+
+    def failed():
+        finish()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck._manager, "wait_until_finished", failed)
+    _raises(
+        RuntimeError,
+        [
+            "Trainer: saving the checkpoint of step 2",
+            str(tmp_path),
+            "No space left on device",
+            "the newest complete checkpoint is the one before it",
+            "save again",
+        ],
+        ck.wait,
+    )
+    monkeypatch.undo()
+    ck.close()

@@ -1,19 +1,16 @@
-"""The trainer's checkpoint store: a training state saved to a folder with orbax-checkpoint, atomic
-(a save killed half-way leaves the previous checkpoint the newest complete one) and asynchronous (the
-arrays are copied off the devices, then written in the background), the newest ``keep`` kept.
-
-orbax-checkpoint is optional (``pip install 'mgkit[checkpoint]'``): it is imported when a
-``Checkpoints`` is made, never when mgkit is.
+"""The trainer's checkpoint store: a training state saved to a folder with orbax-checkpoint (an
+optional dependency, imported when a store is made), atomic (a save killed half-way leaves the
+previous checkpoint the newest complete one), asynchronous, the newest ``keep`` kept.
 
 A state is a dict. An entry holding arrays (``params``, ``opt_state``, a PRNG key) is a tree: its
-arrays go to orbax, its other leaves (Python numbers) to a JSON manifest that also lists every
-leaf's path, shape and dtype, so a restore into another model names the first leaf that differs.
-An entry without arrays (``step``, the data position, a key of ``None``) is stored as JSON and
-comes back as saved (JSON's types: tuples come back as lists).
+arrays go to orbax, its other leaves (Python numbers) to a JSON manifest listing every leaf's path,
+shape and dtype, so a restore into another model names the first leaf that differs. An entry without
+arrays (``step``, the data position, a key of ``None``) is stored as JSON and comes back as saved.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -50,10 +47,10 @@ def _has_arrays(tree: Any) -> bool:
     return any(isinstance(x, jax.Array | np.ndarray) for x in jax.tree_util.tree_leaves(tree))
 
 
-def _plain(x: Any) -> Any:
+def _plain(x: Any) -> Any:  # numpy scalars in JSON entries (a data position's index) as Python's
     if isinstance(x, np.generic):
         return x.item()
-    raise TypeError(f"{type(x).__name__} {x!r}")
+    raise TypeError(f"{type(x).__name__} {x!r:.80}")
 
 
 def _describe(leaf: dict) -> str:
@@ -63,8 +60,13 @@ def _describe(leaf: dict) -> str:
     return f"{noun[leaf['kind']]} of shape {tuple(leaf['shape'])} and dtype {leaf['dtype']}"
 
 
-def _leaf_info(path: str, x: Any) -> dict:
+def _leaf_info(path: str, x: Any, where: str) -> dict:
     kind = _kind(x)
+    if kind == "value" and not isinstance(x, bool | int | float | str):
+        raise TypeError(
+            f"{where}: the state's leaf {path} = {x!r:.80} is not an array nor a number; a tree's leaves"
+            " must be arrays or Python numbers (a JSON-able entry without arrays is saved as it is)"
+        )
     if kind == "value":
         return {"path": path, "kind": kind, "value": x}
     data = jax.random.key_data(x) if kind == "key" else x
@@ -75,16 +77,53 @@ def _leaf_info(path: str, x: Any) -> dict:
 def _first_difference(saved: list[dict], model: list[dict]) -> str | None:
     """Where the saved leaves and the model's first differ, in words; None when they match."""
     model_paths = {m["path"] for m in model}
-    for i in range(max(len(saved), len(model))):
-        s = saved[i] if i < len(saved) else None
-        m = model[i] if i < len(model) else None
+    for s, m in itertools.zip_longest(saved, model):
         if s is None or m is None or s["path"] != m["path"]:
             if s is not None and s["path"] not in model_paths:
                 return f"{s['path']} is in the checkpoint ({_describe(s)}) but missing from the model"
             return f"{m['path']} is in the model ({_describe(m)}) but missing from the checkpoint"
-        if s["kind"] != m["kind"] or s.get("shape") != m.get("shape") or s.get("dtype") != m.get("dtype"):
+        if any(s.get(k) != m.get(k) for k in ("kind", "shape", "dtype")):
             return f"{s['path']} is {_describe(s)} in the checkpoint but {_describe(m)} in the model"
     return None
+
+
+def _abstract(x: Any, info: dict) -> jax.ShapeDtypeStruct:
+    """What orbax restores a leaf into: ``x``'s shape, dtype and sharding (numpy leaves: none)."""
+    sharding = None if info["kind"] == "numpy" else x.sharding  # a key's sharding fits its key data
+    return jax.ShapeDtypeStruct(tuple(info["shape"]), info["dtype"], sharding=sharding)
+
+
+def _rebuild(x: Any, saved: dict, got: Any) -> Any:
+    """A restored leaf as the model's leaf ``x`` holds it: a typed key rewrapped, a numpy scalar a scalar."""
+    if saved["kind"] == "key":
+        return jax.random.wrap_key_data(got, impl=jax.random.key_impl(x))
+    if saved["kind"] == "numpy":
+        return np.asarray(got)[()] if isinstance(x, np.generic) else np.asarray(got)
+    return saved["value"] if saved["kind"] == "value" else got
+
+
+def _writable_folder(directory: Any, where: str) -> Path:
+    """``directory`` as an absolute path, made if missing; a clear error when it cannot be written in."""
+    if not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            f"{where}: the checkpoint folder must be a path (str or pathlib.Path), got"
+            f" {type(directory).__name__} {directory!r}; e.g. checkpoint='ckpt/'"
+        )
+    path = Path(directory).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"{where}: the checkpoint folder '{path}' is a file, not a folder; pass the path of a folder"
+            " (made if missing), e.g. checkpoint='ckpt/'"
+        )
+    try:  # make the folder and a file in it: permission bits alone do not stop root
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise PermissionError(
+            f"{where}: cannot write in the checkpoint folder '{path}' ({e.strerror or e}); pass a folder"
+            " you can write to, e.g. checkpoint='ckpt/'"
+        ) from e
+    return path
 
 
 class Checkpoints:
@@ -108,38 +147,15 @@ class Checkpoints:
     (10, [1.0, 1.0, 1.0], {'index': 5})
     """
 
-    def __init__(
-        self, directory: str | os.PathLike, *, every: int = 100, keep: int | None = 3, where="Checkpoints"
-    ):
+    def __init__(self, directory: str | os.PathLike, *, every=100, keep: int | None = 3, where="Checkpoints"):
         self.where = where
         self.every = whole(every, "every", where, lo=1, example=100, note="save every `every` steps")
         self.keep = None if keep is None else whole(keep, "keep", where, lo=1, example=3, note="or None: all")
-        if not isinstance(directory, str | os.PathLike):
-            raise TypeError(
-                f"{where}: the checkpoint folder must be a path (str or pathlib.Path), got"
-                f" {type(directory).__name__} {directory!r}; e.g. checkpoint='ckpt/'"
-            )
-        ocp = _orbax(where)
-        path = Path(directory).expanduser().absolute()
-        if path.exists() and not path.is_dir():
-            raise NotADirectoryError(
-                f"{where}: the checkpoint folder '{path}' is a file, not a folder; pass the path of a"
-                " folder (made if missing), e.g. checkpoint='ckpt/'"
-            )
-        try:  # writable: make the folder and a file in it (file permissions do not stop root)
-            path.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
-                pass
-        except OSError as e:
-            raise PermissionError(
-                f"{where}: cannot write in the checkpoint folder '{path}' ({e.strerror or e}); pass a"
-                " folder you can write to, e.g. checkpoint='ckpt/'"
-            ) from e
-        self.directory = path
-        self._ocp = ocp
+        self._ocp = ocp = _orbax(where)
+        self.directory = path = _writable_folder(directory, where)
         options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=True)
         self._manager = ocp.CheckpointManager(path, options=options)
-        self._closed = False
+        self._closed, self._saving = False, None
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` (after it completes) is one to save: a positive multiple of ``every``."""
@@ -153,8 +169,16 @@ class Checkpoints:
         return self._manager
 
     def wait(self) -> None:
-        """Waits for the save in flight, if any; re-raises its error if it failed."""
-        self._open().wait_until_finished()
+        """Waits for the save in flight, if any; raises a RuntimeError if it failed."""
+        manager, step, self._saving = self._open(), self._saving, None
+        try:
+            manager.wait_until_finished()
+        except Exception as e:
+            raise RuntimeError(
+                f"{self.where}: saving the checkpoint of step {step} in '{self.directory}' failed"
+                f" ({type(e).__name__}: {e}); the newest complete checkpoint is the one before it. Check the"
+                " folder (free space, permissions) and save again"
+            ) from e
 
     def latest(self) -> int | None:
         """The step of the newest complete checkpoint, or None when the folder holds none."""
@@ -175,40 +199,29 @@ class Checkpoints:
                 " them, or use a new folder (e.g. checkpoint='ckpt_2/'), or empty this one"
             )
         trees = {name: value for name, value in state.items() if _has_arrays(value)}
-        saved_as_json = {}
+        json_entries = {}
         for name in state.keys() - trees.keys():
             try:
-                saved_as_json[name] = json.loads(json.dumps(state[name], default=_plain))
+                json_entries[name] = json.loads(json.dumps(state[name], default=_plain))
             except (TypeError, ValueError) as e:
                 raise TypeError(
                     f"{self.where}: state[{name!r}] = {state[name]!r:.80} cannot be saved: {e} is not"
                     " JSON-able; use numbers, strings, lists and dicts with str keys"
                 ) from None
         leaves = jax.tree_util.tree_flatten_with_path(trees)[0]
-        manifest = [_leaf_info(jax.tree_util.keystr(p), x) for p, x in leaves]
-        try:
-            json.dumps(manifest)
-        except TypeError as e:
-            raise TypeError(
-                f"{self.where}: a leaf of the state cannot be saved ({e}); a tree's leaves must be arrays or"
-                " Python numbers"
-            ) from None
+        manifest = [_leaf_info(jax.tree_util.keystr(p), x, self.where) for p, x in leaves]
         arrays = {
             str(i): jax.random.key_data(x) if info["kind"] == "key" else x
             for i, ((_, x), info) in enumerate(zip(leaves, manifest, strict=True))
             if info["kind"] != "value"
         }
-        meta = {
-            "format": "mgkit.train checkpoint 1",
-            "json": saved_as_json,
-            "trees": sorted(trees),
-            "leaves": manifest,
-        }
+        meta = {"format": "mgkit.train 1", "json": json_entries, "trees": sorted(trees), "leaves": manifest}
         items = {"meta": self._ocp.args.JsonSave(meta)}
         if arrays:
             items["arrays"] = self._ocp.args.StandardSave(arrays)
         if not self._manager.save(step, args=self._ocp.args.Composite(**items), force=True):
             raise RuntimeError(f"{self.where}: orbax declined to save step {step} in '{self.directory}'")
+        self._saving = step
 
     def restore(self, like: dict, step: int | None = None) -> dict:
         """The state saved at ``step`` (default: the newest complete one), its arrays placed like ``like``'s.
@@ -227,7 +240,7 @@ class Checkpoints:
                 )
             step = steps[-1]
         step = whole(
-            step, "step", f"{self.where}: restoring a checkpoint", lo=0, example=steps[-1] if steps else 100
+            step, "step", f"{self.where}: restoring a checkpoint", lo=0, example=steps[-1] if steps else 1
         )
         if step not in steps:
             raise FileNotFoundError(
@@ -236,51 +249,34 @@ class Checkpoints:
             )
         ocp = self._ocp
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        trees = {name: like.get(name) for name in meta["trees"]}
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(trees)
-        model = [_leaf_info(jax.tree_util.keystr(p), x) for p, x in leaves]
-        missing = [f"[{n!r}] is in the checkpoint but missing from the model" for n in trees if n not in like]
-        extra = [
-            f"[{n!r}] is in the model but missing from the checkpoint"
-            for n, v in like.items()
-            if n not in trees and n not in meta["json"] and _has_arrays(v)
-        ]
-        problem = next(iter(missing + extra), None) or _first_difference(meta["leaves"], model)
+        # the model's trees: those saved, and any other entry of `like` with arrays (to name it)
+        names = {*meta["trees"], *(n for n, v in like.items() if n not in meta["json"] and _has_arrays(v))}
+        leaves, treedef = jax.tree_util.tree_flatten_with_path({name: like.get(name) for name in names})
+        model = [_leaf_info(jax.tree_util.keystr(p), x, self.where) for p, x in leaves]
+        problem = _first_difference(meta["leaves"], model)
         if problem:
             raise ValueError(
                 f"{self.where}: the checkpoint of step {step} in '{self.directory}' does not fit this model:"
                 f" {problem}. It belongs to a different model: use a new checkpoint folder (e.g."
                 " checkpoint='ckpt_2/'), or build the trainer with the parameters it was saved from"
             )
-        abstract = {}
-        for i, ((_, x), info) in enumerate(zip(leaves, model, strict=True)):
-            if info["kind"] in ("array", "key"):
-                sharding = (jax.random.key_data(x) if info["kind"] == "key" else x).sharding
-                abstract[str(i)] = jax.ShapeDtypeStruct(
-                    tuple(info["shape"]), info["dtype"], sharding=sharding
-                )
-            elif info["kind"] == "numpy":
-                abstract[str(i)] = jax.ShapeDtypeStruct(tuple(info["shape"]), info["dtype"])
-        got = {}
-        if abstract:
-            items = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
-            got = self._manager.restore(step, args=items)["arrays"]
-        values = []
-        for i, ((_, x), saved) in enumerate(zip(leaves, meta["leaves"], strict=True)):
-            kind = saved["kind"]
-            value = saved.get("value") if kind == "value" else got[str(i)]
-            if kind == "key":
-                value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(x))
-            elif kind == "numpy":
-                value = np.asarray(value)[()] if isinstance(x, np.generic) else np.asarray(value)
-            values.append(value)
+        xs = [x for _, x in leaves]
+        abstract = {
+            str(i): _abstract(x, m)
+            for i, (x, m) in enumerate(zip(xs, model, strict=True))
+            if m["kind"] != "value"
+        }
+        items = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
+        got = self._manager.restore(step, args=items)["arrays"] if abstract else {}
+        saved = meta["leaves"]
+        values = [_rebuild(x, saved[i], got.get(str(i))) for i, x in enumerate(xs)]
         return meta["json"] | jax.tree_util.tree_unflatten(treedef, values)
 
     def close(self) -> None:
         """Waits for the save in flight and releases orbax's resources; closing twice is fine."""
         if not self._closed:
             try:
-                self._manager.wait_until_finished()
+                self.wait()
             finally:
                 self._closed = True
                 self._manager.close()
