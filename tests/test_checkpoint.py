@@ -313,6 +313,28 @@ def test_folder_without_write_permission(tmp_path):
         d.chmod(0o700)
 
 
+def test_folder_where_no_file_can_be_made(tmp_path, monkeypatch):
+    """What a read-only folder does for a user who is not root (or a read-only file system for root)."""
+    import mgkit.train._checkpoint as module
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(module.tempfile, "TemporaryFile", refuse)
+    _raises(
+        PermissionError,
+        [
+            "Trainer: cannot write in the checkpoint folder",
+            str(tmp_path),
+            "Permission denied",
+            "you can write to",
+        ],
+        Checkpoints,
+        tmp_path,
+        where="Trainer",
+    )
+
+
 def test_restore_with_no_checkpoint_names_the_folder(tmp_path):
     (tmp_path / "1.orbax-checkpoint-tmp-123").mkdir()  # an unfinished save is not a checkpoint
     with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
