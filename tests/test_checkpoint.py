@@ -5,7 +5,7 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
+import tempfile
 import threading
 from pathlib import Path
 
@@ -149,17 +149,21 @@ def test_numpy_and_python_leaves_come_back_as_saved(tmp_path):
 
 # --- 2. atomic saves: SIGKILL during a save ------------------------------------------------------
 
-CHILD = """
+N_BIG = 50_000_000  # 200 MB of float32: its save takes long enough to be killed half-way
+
+CHILD = f"""
 import sys
 import jax, jax.numpy as jnp
 from mgkit.train._checkpoint import Checkpoints
 
+def state(step, value):
+    w = jnp.full(({N_BIG},), value)
+    return {{"params": {{"w": w}}, "step": step, "key": jax.random.key(step), "data": {{"index": step}}}}
+
 ck = Checkpoints(sys.argv[1], every=1, keep=3, where="child")
-n = 75_000_000  # 300 MB of float32
-ck.save(1, {"params": {"w": jnp.full((n,), 1.0)}, "step": 1, "key": jax.random.key(1), "data": {"index": 1}})
+ck.save(1, state(1, 1.0))
 ck.wait()
-big = {"params": {"w": jnp.full((n,), 2.0)}, "step": 2, "key": jax.random.key(2), "data": {"index": 2}}
-jax.block_until_ready(big)
+big = jax.block_until_ready(state(2, 2.0))
 ck.save(2, big)
 print("saving", flush=True)
 ck.wait()
@@ -168,43 +172,45 @@ print("saved", flush=True)
 
 
 @pytest.mark.timeout(120)
-def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
-    script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(CHILD))
-    folder = tmp_path / "ckpt"
+def test_kill_during_save_leaves_the_previous_checkpoint():
     env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
     env["PYTHONPATH"] = str(ROOT)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    log = tmp_path / "child.err"
-    with log.open("w") as err:
-        child = subprocess.Popen(
-            [sys.executable, str(script), str(folder)], stdout=subprocess.PIPE, stderr=err, text=True, env=env
-        )
-        try:
-            line = child.stdout.readline()
-            if line.strip() == "saving":
-                os.kill(child.pid, signal.SIGKILL)
-        finally:
-            if child.poll() is None:
-                os.kill(child.pid, signal.SIGKILL)
-            child.communicate(timeout=60)
-    assert line.strip() == "saving", log.read_text()[-3000:]
-    assert child.returncode == -signal.SIGKILL
-    assert not any(p.pid == child.pid for p in psutil.Process().children(recursive=True))
-    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
-    unfinished = [p.name for p in folder.iterdir() if p.name.startswith("2") and p.name != "2"]
-    assert unfinished, f"the kill came after step 2's save ended: {sorted(os.listdir(folder))}"
+    with tempfile.TemporaryDirectory() as tmp:  # removed at the end: it holds 200 MB
+        script, folder, log = Path(tmp, "child.py"), Path(tmp, "ckpt"), Path(tmp, "child.err")
+        script.write_text(CHILD)
+        with log.open("w") as err:
+            child = subprocess.Popen(
+                [sys.executable, str(script), str(folder)],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+            )
+            try:
+                line = child.stdout.readline()
+                if line.strip() == "saving":
+                    os.kill(child.pid, signal.SIGKILL)
+            finally:
+                if child.poll() is None:
+                    os.kill(child.pid, signal.SIGKILL)
+                child.communicate(timeout=60)
+        assert line.strip() == "saving", log.read_text()[-3000:]
+        assert child.returncode == -signal.SIGKILL
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+        unfinished = [p.name for p in folder.iterdir() if p.name.startswith("2") and p.name != "2"]
+        assert unfinished, f"the kill came after step 2's save ended: {sorted(os.listdir(folder))}"
 
-    like = {"params": {"w": jnp.zeros((75_000_000,))}, "step": 0, "key": jax.random.key(0), "data": {}}
-    with Checkpoints(folder, every=1, keep=3) as ck:
-        assert ck.latest() == 1
-        back = ck.restore(like)
-        assert back["step"] == 1 and back["data"] == {"index": 1}
-        assert bool((back["params"]["w"] == 1.0).all())
-        _same_bits(back["key"], jax.random.key(1))
-        del back
-        ck.save(2, {"params": {"w": jnp.full((8,), 3.0)}, "step": 2, "key": None, "data": {}})
-        assert ck.latest() == 2
+        like = {"params": {"w": jnp.zeros((N_BIG,))}, "step": 0, "key": jax.random.key(0), "data": {}}
+        with Checkpoints(folder, every=1, keep=3) as ck:
+            assert ck.latest() == 1
+            back = ck.restore(like)
+            assert back["step"] == 1 and back["data"] == {"index": 1}
+            assert bool((back["params"]["w"] == 1.0).all())
+            _same_bits(back["key"], jax.random.key(1))
+            del back, like
+            ck.save(2, {"params": {"w": jnp.full((8,), 3.0)}, "step": 2, "key": None, "data": {}})
+            assert ck.latest() == 2
 
 
 # --- 5, 6. kept checkpoints, waiting, threads ----------------------------------------------------
