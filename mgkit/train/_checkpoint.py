@@ -128,6 +128,7 @@ def _writable_folder(directory: Any, where: str) -> Path:
 
 class Checkpoints:
     """A folder of training checkpoints, saved every ``every`` steps, the newest ``keep`` kept.
+    Needs orbax-checkpoint: ``pip install 'mgkit[checkpoint]'``.
 
     Args:
         directory: the folder (made if missing); it must be writable.
@@ -161,18 +162,15 @@ class Checkpoints:
         """Whether step ``step`` (after it completes) is one to save: a positive multiple of ``every``."""
         return step > 0 and step % self.every == 0
 
-    def _open(self) -> Any:
+    def wait(self) -> None:
+        """Waits for the save in flight, if any; raises a RuntimeError if it failed."""
         if self._closed:
             raise RuntimeError(
                 f"{self.where}: the checkpoint store of '{self.directory}' is closed; make a new one"
             )
-        return self._manager
-
-    def wait(self) -> None:
-        """Waits for the save in flight, if any; raises a RuntimeError if it failed."""
-        manager, step, self._saving = self._open(), self._saving, None
+        step, self._saving = self._saving, None
         try:
-            manager.wait_until_finished()
+            self._manager.wait_until_finished()
         except Exception as e:
             raise RuntimeError(
                 f"{self.where}: saving the checkpoint of step {step} in '{self.directory}' failed"
@@ -219,8 +217,7 @@ class Checkpoints:
         items = {"meta": self._ocp.args.JsonSave(meta)}
         if arrays:
             items["arrays"] = self._ocp.args.StandardSave(arrays)
-        if not self._manager.save(step, args=self._ocp.args.Composite(**items), force=True):
-            raise RuntimeError(f"{self.where}: orbax declined to save step {step} in '{self.directory}'")
+        self._manager.save(step, args=self._ocp.args.Composite(**items), force=True)
         self._saving = step
 
     def restore(self, like: dict, step: int | None = None) -> dict:
@@ -260,15 +257,10 @@ class Checkpoints:
                 f" {problem}. It belongs to a different model: use a new checkpoint folder (e.g."
                 " checkpoint='ckpt_2/'), or build the trainer with the parameters it was saved from"
             )
-        xs = [x for _, x in leaves]
-        abstract = {
-            str(i): _abstract(x, m)
-            for i, (x, m) in enumerate(zip(xs, model, strict=True))
-            if m["kind"] != "value"
-        }
+        xs, saved = [x for _, x in leaves], meta["leaves"]
+        abstract = {str(i): _abstract(x, saved[i]) for i, x in enumerate(xs) if saved[i]["kind"] != "value"}
         items = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
         got = self._manager.restore(step, args=items)["arrays"] if abstract else {}
-        saved = meta["leaves"]
         values = [_rebuild(x, saved[i], got.get(str(i))) for i, x in enumerate(xs)]
         return meta["json"] | jax.tree_util.tree_unflatten(treedef, values)
 
