@@ -41,9 +41,9 @@ from ._spmd import (
     explained,
     fn_name,
     is_abstract,
-    kept,
     lands_at_once,
     mesh,
+    needs_private,
     on_clear,
     per_context,
     place_spmd,
@@ -564,7 +564,7 @@ def _plan(fn, batch, targets, sizes, out_axes, where) -> _Plan | None:
     if not (batch.n and targets.spmd and len(set(sizes)) == 1):
         return None
     cpu = targets.devices[0].platform == "cpu"
-    copies = tuple(i for i, x in enumerate(batch.leaves) if cpu and kept(x.dtype))
+    copies = tuple(i for i, x in enumerate(batch.leaves) if needs_private(x, cpu))
     shardings = [sharding(targets.devices, AXIS, ax) for ax in batch.axes]
     split = spmd_layout([(x, ax) for x, ax in zip(batch.leaves, batch.axes, strict=True)], targets, sizes)
     runs = run_layout(targets, sizes, fn, "spmd", batch.n)

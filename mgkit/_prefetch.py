@@ -28,7 +28,7 @@ import numpy as np
 from ._contexts import ContextMap
 from ._numbers import whole
 from ._parallel import split
-from ._spmd import Batch, Targets, kept, place_spmd, resolve, shares
+from ._spmd import Batch, Targets, place_spmd, resolve, shares
 from ._transfer import leaves_of
 
 _SLICE = 0.1  # seconds: the longest either side blocks before it looks at the stop flag again
@@ -333,28 +333,11 @@ def _placer(targets: Targets, contexts: Any) -> Callable[[Any], Any]:
         leaves, treedef = leaves_of(batch, "prefetch", names)
         n = _rows(leaves, names, index, targets)
         if targets.spmd and n % k == 0:
-            leaves, own = _converted(leaves)
             batch_ = Batch(leaves, treedef, (0,) * len(leaves), n, names)
-            return jax.tree_util.tree_unflatten(treedef, place_spmd(batch_, targets, shares(n, k), own=own))
+            return jax.tree_util.tree_unflatten(treedef, place_spmd(batch_, targets, shares(n, k)))
         return split(batch, parts)
 
     return place
-
-
-def _converted(leaves: list) -> tuple[list, list[int]]:
-    """Host arrays of a dtype JAX converts (float64 without x64) converted here, as fresh arrays
-    (the indices are returned: they are the loader's own, not the caller's).
-
-    JAX 0.10 places a host array of such a dtype over several devices from a conversion it
-    keeps per array object: a loader that refills one float64 buffer would get its first
-    contents every time (reproduced with a plain ``jax.device_put(buf, NamedSharding(...))``).
-    """
-    out, own = list(leaves), []
-    for i, leaf in enumerate(leaves):
-        if type(leaf) is np.ndarray and not kept(leaf.dtype):
-            out[i] = leaf.astype(jax.dtypes.canonicalize_dtype(leaf.dtype))
-            own.append(i)
-    return out, own
 
 
 def _rows(leaves: list, names: Callable[[int], str], index: int, targets: Targets) -> int:

@@ -344,13 +344,35 @@ def kept(dtype: np.dtype) -> bool:
     return dtype == jax.dtypes.canonicalize_dtype(dtype)
 
 
+def needs_private(value: Any, cpu: bool) -> bool:
+    """Whether a host array is placed through mgkit's own copy (``private``): on CPU devices
+    every array whose dtype JAX keeps (``device_put`` may take its buffer as it is), and on any
+    device one of a dtype JAX converts (float64 without x64: jax 0.10 places such an array over
+    several devices from a conversion it keeps per array object, so a refilled buffer would
+    place its first contents again)."""
+    return isinstance(value, np.ndarray) and (cpu or not kept(value.dtype))
+
+
 def private(values: list[np.ndarray]) -> list[np.ndarray]:
-    """Fresh copies of host arrays bound for CPU devices, so that a device array never shares
-    the caller's memory: small ones plainly, larger ones aligned for XLA to take as they are
+    """Fresh arrays with the values of host arrays, so that a device array never shares the
+    caller's memory (or a conversion of it): a dtype JAX converts is converted here; the rest
+    are copied, small ones plainly, larger ones aligned for XLA to take as they are
     (``private_copies``)."""
-    if sum(v.nbytes for v in values) < _SMALL:
-        return [v.copy() for v in values]
-    return private_copies(values)
+    out = list(values)
+    same = []
+    for i, v in enumerate(values):
+        if kept(v.dtype):
+            same.append(i)
+        else:
+            out[i] = v.astype(jax.dtypes.canonicalize_dtype(v.dtype))
+    if same:
+        copies = [values[i] for i in same]
+        made = (
+            [v.copy() for v in copies] if sum(v.nbytes for v in copies) < _SMALL else private_copies(copies)
+        )
+        for i, m in zip(same, made, strict=True):
+            out[i] = m
+    return out
 
 
 def place_spmd(
@@ -387,8 +409,7 @@ def place_spmd(
             if i not in own:
                 if staged:  # traced: left to the program, as constants
                     continue
-                if cpu and isinstance(out[i], np.ndarray) and kept(out[i].dtype):
-                    # device_put keeps an aligned host array's buffer: never the user's own
+                if needs_private(out[i], cpu):  # never the user's own buffer (``needs_private``)
                     copies.append(i)
         elif not padded and isinstance(value, jax.Array):
             current = value.sharding

@@ -138,10 +138,10 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
     moving = [(x, 0) for x in even] + [(x, None) for x in rest or ()]
     values = [x for x, _ in moving]
     if not own:
-        host = [i for i, x in enumerate(values) if isinstance(x, np.ndarray) and _spmd.kept(x.dtype)]
-        if host and targets.devices[0].platform == "cpu":
-            for i, c in zip(host, _spmd.private([values[i] for i in host]), strict=True):
-                values[i] = c
+        cpu = targets.devices[0].platform == "cpu"
+        host = [i for i, x in enumerate(values) if _spmd.needs_private(x, cpu)]
+        for i, c in zip(host, _spmd.private([values[i] for i in host]), strict=True):
+            values[i] = c
     shardings = [sharding(targets.devices, AXIS, ax) for _, ax in moving]
     placed = jax.device_put(values, shardings)
     nbytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in values)
