@@ -158,6 +158,7 @@ class Prefetch:
         self._batches = 0
         self._wait_data = 0.0
         self._ended = False
+        self._interrupted: Callable[[], bool] | None = None
         state.thread = threading.Thread(
             target=_load, args=(state, iterator, place), name=_thread_name(where), daemon=True
         )
@@ -189,6 +190,16 @@ class Prefetch:
         self._batches += 1
         return item
 
+    def take(self, interrupted: Callable[[], bool]) -> Any:
+        """The next batch, as ``next()`` gives it, for a caller that notes Ctrl-C itself (a
+        trainer's loop): raises KeyboardInterrupt as soon as ``interrupted()`` turns true while it
+        waits, and StopIteration when the batches are done."""
+        self._interrupted = interrupted
+        try:
+            return next(self)
+        finally:
+            self._interrupted = None
+
     def _take(self) -> Any:
         """The next item from the loader, waited for in slices so that Ctrl-C comes back at once."""
         state = self._state
@@ -202,6 +213,8 @@ class Prefetch:
                     item = state.queue.get(timeout=_SLICE)
                     break
                 except queue.Empty:
+                    if self._interrupted is not None and self._interrupted():
+                        raise KeyboardInterrupt from None
                     if state.stop.is_set() or not state.thread.is_alive():
                         try:  # the loader may have put its last item just before it ended
                             item = state.queue.get_nowait()

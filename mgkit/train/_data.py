@@ -113,7 +113,13 @@ class ArraySource:
 
     @property
     def position(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "rows": self.rows,
+        }
 
     def seek(self, position: dict) -> None:
         self.epoch, self.index = int(position["epoch"]), int(position["index"])

@@ -40,15 +40,20 @@ class StepOut(NamedTuple):
     aux: Any
 
 
-def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
-    """(params, batch) -> (loss, aux, grads)."""
+def call_loss(loss_fn: Callable, params, batch, key) -> Any:
+    """``loss_fn(params, batch)``, or ``loss_fn(params, batch, key)`` for a trainer with a key."""
+    return loss_fn(params, batch) if key is None else loss_fn(params, batch, key)
 
-    def grad(params, batch):
-        if has_aux:
-            (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
-        else:
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            aux = None
+
+def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
+    """(params, batch, key) -> (loss, aux, grads)."""
+
+    def grad(params, batch, key=None):
+        def f(p):
+            out = call_loss(loss_fn, p, batch, key)
+            return out if has_aux else (out, None)
+
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
         return loss, aux, grads
 
     return grad
@@ -75,40 +80,34 @@ def update(optimizer: optax.GradientTransformation, params, opt_state, loss, gra
 def spmd_step(
     loss_fn: Callable, optimizer: optax.GradientTransformation, has_aux: bool, devices: tuple
 ) -> Callable:
-    """The jitted step over ``devices``: (params, opt_state, even, rest) -> StepOut, with
+    """The jitted step over ``devices``: (params, opt_state, even, rest, key) -> StepOut, with
     ``even`` split over the devices and ``rest`` (the last rows, fewer than the devices, or
-    None) on every one. Parameters and optimizer state are donated."""
-    grad = gradients(loss_fn, has_aux)
+    None) on every one; ``key`` a PRNG key for ``loss_fn`` or None. Parameters and optimizer
+    state are donated."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
 
-    def step(params, opt_state, even, rest):
-        if rest is None:
-            loss, aux, grads = grad(params, even)
-        else:
+    def step(params, opt_state, even, rest, key):
+        def mean_loss(p):
+            out = call_loss(loss_fn, p, even, key)
+            loss, aux = out if has_aux else (out, None)
+            if rest is None:
+                return loss, aux
             n_even = jax.tree_util.tree_leaves(even)[0].shape[0]
             n_rest = jax.tree_util.tree_leaves(rest)[0].shape[0]
-            w_even, w_rest = n_even / (n_even + n_rest), n_rest / (n_even + n_rest)
+            out = call_loss(loss_fn, p, rest, key)
+            loss_rest = out[0] if has_aux else out
+            return (n_even * loss + n_rest * loss_rest) / (n_even + n_rest), aux
 
-            def mean_loss(p):
-                l_even, a_even = _with_aux(loss_fn, has_aux, p, even)
-                l_rest, _ = _with_aux(loss_fn, has_aux, p, rest)
-                return w_even * l_even + w_rest * l_rest, a_even
-
-            (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
         params, opt_state, ok = update(optimizer, params, opt_state, loss, grads)
         return StepOut(params, opt_state, loss, ok, aux)
 
     return jax.jit(
         step,
-        in_shardings=(rep, rep, split, rep),
+        in_shardings=(rep, rep, split, rep, rep),
         out_shardings=StepOut(rep, rep, rep, rep, rep),
         donate_argnums=(0, 1),
     )
-
-
-def _with_aux(loss_fn: Callable, has_aux: bool, params, batch) -> tuple:
-    out = loss_fn(params, batch)
-    return out if has_aux else (out, None)
 
 
 def copied(tree: Any, target: jax.sharding.Sharding) -> Any:
@@ -177,12 +176,13 @@ class LoopStep:
         self.combine = jax.jit(combine, donate_argnums=(0, 1))
 
     def __call__(
-        self, replicas: list, opt_state: Any, parts: list, sizes: tuple[int, ...]
+        self, replicas: list, opt_state: Any, parts: list, sizes: tuple[int, ...], key: Any = None
     ) -> tuple[list, StepOut]:
         contexts: tuple[Context, ...] = self.targets.contexts
         first = contexts[0]
         active = [i for i, s in enumerate(sizes) if s]
-        outs = [self.grad(replicas[i], parts[i]) for i in active]
+        keys = [None if key is None else jax.device_put(key, contexts[i].device) for i in active]
+        outs = [self.grad(replicas[i], parts[i], k) for i, k in zip(active, keys, strict=True)]
         gathered = []
         for i, out in zip(active, outs, strict=True):
             leaves, treedef = jax.tree_util.tree_flatten(out)

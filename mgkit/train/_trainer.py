@@ -15,9 +15,11 @@ import optax
 
 from .. import _progress
 from .._numbers import whole
+from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
 from .._transfer import leaves_of
 from . import _data
+from ._checkpoint import Checkpoints
 from ._history import History
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
 
@@ -73,6 +75,23 @@ def _check_params(params: Any) -> None:
             )
 
 
+def _check_key(key: Any) -> Any:
+    if key is None:
+        return None
+    if (
+        isinstance(key, jax.Array)
+        and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and key.shape == ()
+    ):
+        return key
+    if isinstance(key, np.ndarray | jax.Array) and key.shape == (2,) and key.dtype == np.uint32:
+        return jax.random.wrap_key_data(key)
+    raise TypeError(
+        f"{_WHERE}: key must be a PRNG key, e.g. key=jax.random.key(0) (or None: loss_fn takes no key); "
+        f"got {type(key).__name__} {key!r:.80}"
+    )
+
+
 class Trainer:
     """Trains one model on every context in the map (or ``contexts``) with an optax optimizer.
 
@@ -103,6 +122,15 @@ class Trainer:
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
       balance: None (parts of equal rows) or ``"measured"`` (cutorch's loop only: parts in
         proportion to each context's measured speed, as ``mg.parallel`` does).
+      key: a PRNG key (``jax.random.key(0)``) for a ``loss_fn(params, batch, key)`` that draws
+        random numbers (dropout): step s gets ``jax.random.fold_in(key, s)``, so a resumed run
+        draws what an uninterrupted one would. None (default): ``loss_fn(params, batch)``.
+      checkpoint: a folder to save checkpoints in, with orbax-checkpoint
+        (``pip install 'mgkit[checkpoint]'``): parameters, optimizer state, step, key and data
+        position, every ``every`` steps, the newest ``keep`` kept; ``fit(..., resume=True)``
+        goes on from the newest one.
+      prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
+        places each batch when the step needs it.
 
     Attributes ``params``, ``opt_state`` and ``step`` are always those of the last completed
     step; ``history`` is the last fit's ``History``.
@@ -119,6 +147,11 @@ class Trainer:
         on_nan: str = "raise",
         seed: int = 0,
         balance: str | None = None,
+        key: Any = None,
+        checkpoint: Any = None,
+        every: int = 100,
+        keep: int | None = 3,
+        prefetch: int = 2,
     ):
         if not callable(loss_fn):
             raise TypeError(
@@ -140,6 +173,8 @@ class Trainer:
         self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
         self.on_nan, self.balance = on_nan, balance
         self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
+        self.prefetch = whole(prefetch, "prefetch", _WHERE, lo=0, example=2, note="batches placed ahead")
+        self._key = _check_key(key)
         self.targets: Targets = resolve(contexts, _WHERE)
         self.spmd = self.targets.spmd
         devices = self.targets.devices
@@ -159,6 +194,10 @@ class Trainer:
             self._program = LoopStep(loss_fn, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
+        self._position_after: dict | None = None
+        self.checkpoints: Checkpoints | None = None
+        if checkpoint is not None:
+            self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -215,11 +254,12 @@ class Trainer:
     def _dispatch(self, placed: tuple) -> StepOut:
         """Runs one step and keeps its results at once: nothing can come between the donation
         of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""
+        key = None if self._key is None else jax.random.fold_in(self._key, self._step + 1)
         if self.spmd:
-            out = self._program(self._params, self._opt, *placed)
+            out = self._program(self._params, self._opt, *placed, key)
             self._params, self._opt = out.params, out.opt_state
         else:
-            replicas, out = self._program(self._replicas, self._opt, *placed)
+            replicas, out = self._program(self._replicas, self._opt, *placed, key)
             self._replicas, self._params, self._opt = replicas, out.params, out.opt_state
         self._step += 1
         return out
@@ -227,11 +267,12 @@ class Trainer:
     def _check_loss(self, placed: tuple) -> None:
         """The loss function's output, from shapes only (before anything compiles or runs)."""
         batch = placed[0] if self.spmd else placed[0][0]
-        key = jax.tree_util.tree_structure(batch)
-        if key in self._checked:
+        structure = jax.tree_util.tree_structure(batch)
+        if structure in self._checked:
             return
         try:
-            out = jax.eval_shape(self.loss_fn, self._params, batch)
+            extra = () if self._key is None else (self._key,)
+            out = jax.eval_shape(self.loss_fn, self._params, batch, *extra)
         except Exception as e:
             raise type(e)(f"Trainer: loss_fn(params, batch) failed on the first batch: {e}") from e
         if self.has_aux:
@@ -257,7 +298,7 @@ class Trainer:
                 f"Trainer: loss_fn returned a {dtype} scalar; the loss must be floating point to be "
                 "differentiated (e.g. return loss.astype(jnp.float32))"
             )
-        self._checked.add(key)
+        self._checked.add(structure)
 
     # -- fitting -----------------------------------------------------------------------------
 
@@ -269,6 +310,7 @@ class Trainer:
         batch_size: int | None = None,
         shuffle: bool = True,
         epochs: int | None = None,
+        resume: bool = False,
         progress: bool | None = None,
     ) -> History:
         """Trains for ``steps`` steps (or ``epochs`` passes over arrays) and returns a ``History``.
@@ -276,12 +318,19 @@ class Trainer:
         Args:
           data: arrays with rows along axis 0 (an array, a dict or tuple pytree: mgkit batches
             them, shuffled per epoch by the trainer's seed, and a later fit goes on where this
-            one stopped); a function ``step -> batch``; or an iterable of batches (a list, a
-            generator), which may end early: the fit then stops with a warning, state kept.
-          steps: steps to run (default: one epoch of arrays; required for a function).
+            one stopped); a function ``step -> batch`` (given the step number, from 1); or an
+            iterable of batches (a list, a generator), which may end early: the fit then stops
+            with a warning, state kept.
+          steps: steps to run (default: one epoch of arrays; required for a function). With
+            ``resume=True``, the steps of the whole run: a run restored at step s runs
+            ``steps - s`` more, so the same call re-run after a crash finishes the same run.
           batch_size: rows per batch, for arrays (default min(rows, 256)).
           shuffle: shuffle arrays each epoch (else in order).
-          epochs: passes over arrays, instead of ``steps``.
+          epochs: passes over arrays, instead of ``steps`` (with ``resume=True``, of the run).
+          resume: first restore the newest checkpoint in the trainer's ``checkpoint`` folder
+            (parameters, optimizer state, step, key and data position); without one, start
+            from the trainer's state. The run then gives the parameters an uninterrupted one
+            would, bit for bit.
           progress: None: a progress bar once the fit has run a second; True: at once; False: never.
 
         Ctrl-C (the notebook's Stop button) stops at the next step boundary: ``params``,
@@ -292,58 +341,46 @@ class Trainer:
         k = len(self.targets.contexts)
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
         total = self._total(src, steps, epochs, where)
+        if resume:
+            self._resume(where)
+        elif self.checkpoints is not None:
+            latest = self.checkpoints.latest()
+            if latest is not None and latest > self._step:
+                raise ValueError(
+                    f"{where}: the checkpoint folder '{self.checkpoints.directory}' holds step {latest}, "
+                    f"ahead of this trainer (step {self._step}): pass resume=True to go on from it, or "
+                    "give the trainer a new folder (checkpoint='ckpt_2/')"
+                )
         if isinstance(src, _data.ArraySource) and self._position is not None:
             pos = self._position
-            if pos.get("batch_size") == src.batch_size and pos.get("rows") == src.rows:
+            same = (pos.get("batch_size"), pos.get("rows"), pos.get("seed"))
+            if same == (src.batch_size, src.rows, src.seed):  # the same arrays, batched alike: go on
                 src.seek(pos)
+        if resume and total is not None:
+            total = max(total - self._step, 0)
         history = History(self.contexts)
         self.history = history
-        run = _progress.Run(
-            where, self.contexts, [c.short for c in self.targets.contexts], (0,) * k, (1,) * k, total
-        )
-        one_in_flight = self.targets.devices[0].platform == "cpu"
+        if total == 0:
+            return history
+        shorts = [c.short for c in self.targets.contexts]
+        run = _progress.Run(where, self.contexts, shorts, (0,) * k, (1,) * k, total)
         bar = _Bar(run, progress)
-        own = isinstance(src, _data.ArraySource)
+        feed = self._feed(src, total)
         error: BaseException | None = None
+        position = getattr(src, "position", None)
         try:
-            done = 0
             with _Interrupts() as stop:
-                pending = None
-                last = time.perf_counter()
-                while total is None or done < total:
-                    if stop.requested:
-                        history.stopped = "interrupted"
-                        break
-                    try:
-                        batch = src.next(self._step)
-                    except StopIteration:
-                        history.stopped = "data ran out"
-                        break
-                    placed, rows = self._place(batch, own)
-                    if self.balance == "measured" and not self.spmd and self._weights is None:
-                        self._weights = self._measure(placed)
-                        placed, rows = self._place(batch, own)
-                    if done == 0:
-                        self._check_loss(placed)
-                        self._compile(placed)
-                        last = time.perf_counter()
-                    out = self._dispatch(placed)
-                    done += 1
-                    current = (self._step, out, rows)
-                    if one_in_flight:
-                        last = self._finish(current, last, history, run, bar)
-                    else:
-                        if pending is not None:
-                            last = self._finish(pending, last, history, run, bar)
-                        pending = current
-                if pending is not None:
-                    last = self._finish(pending, last, history, run, bar)
+                position = self._loop(feed, total, history, run, bar, stop) or position
         except FloatingPointError as e:
             error = e
         finally:
             bar.close()
+            if isinstance(feed, Prefetch):
+                feed.close()
+            if self.checkpoints is not None:
+                self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
             if isinstance(src, _data.ArraySource):
-                self._position = {**src.position, "rows": src.rows}
+                self._position = self._position_after or src.position
         if error is not None:
             history.stopped = "nan"
             raise error
@@ -360,6 +397,116 @@ class Trainer:
                 stacklevel=2,
             )
         return history
+
+    def _feed(self, src: Any, total: int | None) -> Any:
+        """The placed batches, with each one's data position after it: through a ``Prefetch``
+        (a background thread) unless ``prefetch=0``; at most ``total`` are asked of ``src``."""
+        own = isinstance(src, _data.ArraySource)
+        first = self._step + 1
+
+        def batches():
+            i = 0
+            while total is None or i < total:
+                try:
+                    batch = src.next(first + i)
+                except StopIteration:
+                    return
+                yield batch, dict(src.position)
+                i += 1
+
+        def place(item):
+            batch, position = item
+            return (*self._place(batch, own), position)
+
+        if self.prefetch == 0:
+            return (place(item) for item in batches())
+        return Prefetch(batches(), place, self.prefetch, where="fit")
+
+    def _loop(self, feed: Any, total: int | None, history: History, run: Any, bar: _Bar, stop: _Interrupts):
+        """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), reading each loss
+        (on CPU devices at once: at most one step in flight; elsewhere one step late)."""
+        one_in_flight = self.targets.devices[0].platform == "cpu"
+        done, pending, last = 0, None, time.perf_counter()
+        self._position_after = None
+        while total is None or done < total:
+            if stop.requested:
+                history.stopped = "interrupted"
+                break
+            try:
+                if isinstance(feed, Prefetch):
+                    placed, rows, position = feed.take(lambda: stop.requested)
+                else:
+                    placed, rows, position = next(feed)
+            except StopIteration:
+                history.stopped = "data ran out"
+                break
+            except KeyboardInterrupt:
+                history.stopped = "interrupted"
+                break
+            if self.balance == "measured" and not self.spmd and self._weights is None:
+                self._weights = self._measure(placed)
+            if done == 0:
+                self._check_loss(placed)
+                self._compile(placed)
+                last = time.perf_counter()
+            out = self._dispatch(placed)
+            self._position_after = position
+            done += 1
+            if self.checkpoints is not None and self.checkpoints.due(self._step):
+                self._save(position)  # before the next step donates these arrays
+            current = (self._step, out, rows)
+            if one_in_flight:
+                last = self._finish(current, last, history, run, bar)
+            else:
+                if pending is not None:
+                    last = self._finish(pending, last, history, run, bar)
+                pending = current
+        if pending is not None:
+            self._finish(pending, last, history, run, bar)
+        return self._position_after
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _state(self, position: dict | None) -> dict:
+        return {
+            "params": self._params,
+            "opt_state": self._opt,
+            "step": self._step,
+            "key": None if self._key is None else self._key,
+            "data": {} if position is None else dict(position),
+        }
+
+    def _save(self, position: dict | None) -> None:
+        """Saves the state after the step just dispatched (orbax copies the arrays off the
+        devices before this returns, and writes them in the background)."""
+        self.checkpoints.save(self._step, self._state(position))
+
+    def save(self) -> None:
+        """Saves a checkpoint of the current state now (needs ``checkpoint=``), and waits for it."""
+        if self.checkpoints is None:
+            raise TypeError(
+                f"{_WHERE}.save: this trainer has no checkpoint folder; make it with checkpoint='ckpt/'"
+            )
+        latest = self.checkpoints.latest()
+        if latest != self._step:
+            self.checkpoints.save(self._step, self._state(self._position))
+        self.checkpoints.wait()
+
+    def _resume(self, where: str) -> None:
+        if self.checkpoints is None:
+            raise TypeError(
+                f"{where}: resume=True restores from the trainer's checkpoint folder, and this trainer "
+                "has none; make it with mg.Trainer(..., checkpoint='ckpt/')"
+            )
+        if self.checkpoints.latest() is None:
+            return  # nothing saved yet: a first run
+        back = self.checkpoints.restore(self._state(self._position))
+        self._params, self._opt, self._step = back["params"], back["opt_state"], int(back["step"])
+        if self._key is not None and back["key"] is not None:
+            self._key = back["key"]
+        self._position = back["data"] or None
+        if not self.spmd:
+            self._replicas = self._copies(self._params)
 
     def _total(self, src: Any, steps: Any, epochs: Any, where: str) -> int | None:
         if steps is not None and epochs is not None:
@@ -384,7 +531,8 @@ class Trainer:
     def _compile(self, placed: tuple) -> None:
         """Compiles the step for these arguments while Ctrl-C still works (``_progress.compile``)."""
         if self.spmd:
-            _progress.compile(self._program, (self._params, self._opt, *placed))
+            key = None if self._key is None else jax.random.fold_in(self._key, 0)
+            _progress.compile(self._program, (self._params, self._opt, *placed, key))
 
     def _measure(self, placed: tuple) -> tuple[float, ...]:
         """Rows per second of each context's gradient on an equal part (after a warm-up)."""
@@ -414,9 +562,9 @@ class Trainer:
         if not ok and self.on_nan == "raise":
             raise FloatingPointError(
                 f"Trainer.fit: step {step}'s loss is {loss} (or a gradient is not finite): its update was "
-                f"not applied, and the fit stopped. params and opt_state are the last finite ones (step "
-                f"{self._step}). Lower the learning rate, check the batch's data, or pass "
-                "on_nan='skip' to skip such steps"
+                f"not applied, and the fit stopped at step {self._step}. params and opt_state are the last "
+                "finite ones (from before that step). Lower the learning rate, check the batch's data, or "
+                "pass on_nan='skip' to skip such steps"
             )
         return now
 
