@@ -515,3 +515,23 @@ def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_result(tmp_path)
     np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
     for proc in (whole_run, killed, resumed):
         assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_step_fn_runs_the_compiled_step_in_a_loop_of_ones_own():
+    data, params = _problem()
+    opt = optax.sgd(0.1)
+    tr = mg.Trainer(_loss, opt, params)
+    batch = {"x": data["x"][:100], "y": data["y"][:100]}
+    p, s = tr.params, tr.opt_state
+    p, s = jax.tree_util.tree_map(jnp.copy, p), jax.tree_util.tree_map(jnp.copy, s)
+    for _ in range(3):
+        out = tr.step_fn(p, s, batch)
+        p, s = out.params, out.opt_state
+    assert bool(out.ok) and tr.step == 0  # the trainer's own state is not touched
+    loss = float(_loss(jax.device_get(p), batch))
+    assert loss < float(_loss(params, batch)) and np.isfinite(loss)
+    ref = params
+    for _ in range(3):
+        g = jax.grad(_loss)(ref, batch)
+        ref = jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, ref, g)
+    _close(jax.device_get(p), jax.device_get(ref))

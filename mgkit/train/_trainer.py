@@ -221,6 +221,26 @@ class Trainer:
     def contexts(self) -> tuple[str, ...]:
         return self.targets.names
 
+    @property
+    def step_fn(self) -> Callable:
+        """The compiled step, for a loop of one's own: ``step_fn(params, opt_state, batch,
+        key=None)`` splits the batch over the contexts (recorded in the ledger), runs one step
+        and returns ``StepOut(params, opt_state, loss, ok, aux)``. It donates ``params`` and
+        ``opt_state`` (use the returned ones); ``ok`` is False where the update was skipped
+        (a loss or gradient not finite). The trainer's own state is not touched."""
+        k = len(self.targets.contexts)
+
+        def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
+            leaves, treedef, n = _data.check_batch(batch, k, "Trainer.step_fn", "the batch")
+            if self.spmd:
+                even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
+                return self._program(params, opt_state, even, rest, key)
+            sizes = shares(n, k, self._weights)
+            parts = place_parts(leaves, treedef, self.targets, sizes)
+            return self._program(self._copies(params), opt_state, parts, sizes, key)[1]
+
+        return step_fn
+
     def __repr__(self) -> str:
         path = "one SPMD program per step" if self.spmd else "cutorch's loop (per-context gradients)"
         return (
