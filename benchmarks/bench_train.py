@@ -52,7 +52,9 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=200, help="steps per variant per round (default 200)")
     p.add_argument("--rounds", type=int, default=6, help="ABBA rounds (default 6)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices without a GPU (default 8)")
-    p.add_argument("--load-ms", type=float, default=0.0, help="(c) the loader's time per batch (0: 1.5x a step)")
+    p.add_argument(
+        "--load-ms", type=float, default=0.0, help="(c) the loader's time per batch (0: 1.5x a step)"
+    )
     p.add_argument("--rows", type=int, default=32768, help="rows of synthetic data (default 32768)")
     args = p.parse_args(argv)
     if args.steps < 2 or args.rounds < 1 or args.devices < 1 or args.rows < 16384:
@@ -166,10 +168,17 @@ def main(argv=None) -> int:
     mg.simulate(args.devices)  # CPU devices only; an accelerator, when there is one, is used instead
     devices = jax.devices()
     names = [f"d{i}" for i in range(len(devices))]
-    mg.use_contexts(";".join(f"{n}->{d.platform}{d.id}" for n, d in zip(names, devices, strict=True)), verbose=False)
-    print(f"mgkit {mg.__version__}, jax {jax.__version__}, {len(devices)} {devices[0].platform} device(s): {names}")
+    mg.use_contexts(
+        ";".join(f"{n}->{d.platform}{d.id}" for n, d in zip(names, devices, strict=True)), verbose=False
+    )
+    print(
+        f"mgkit {mg.__version__}, jax {jax.__version__}, {len(devices)} {devices[0].platform} device(s): {names}"
+    )
     rng = np.random.default_rng(0)
-    data = {"x": rng.normal(size=(args.rows, 784)).astype(np.float32), "y": rng.integers(0, 10, args.rows).astype(np.int32)}
+    data = {
+        "x": rng.normal(size=(args.rows, 784)).astype(np.float32),
+        "y": rng.integers(0, 10, args.rows).astype(np.int32),
+    }
     params = mlp_init(jax.random.key(0))
     opt = optax.adamw(1e-3)
     rows, steps_ms = [], {}
@@ -187,6 +196,39 @@ def main(argv=None) -> int:
         )
         rows.append(row)
         steps_ms[case] = med
+    # (c): a loader slower than a step, with and without the trainer's prefetch
+    step_s = steps_ms["(a) batch 256"]["peer"]
+    load_s = args.load_ms / 1e3 if args.load_ms > 0 else 1.5 * step_s
+    peer_c = Peer(params, opt, devices, data, 256)
+    pool = [peer_c.batch() for _ in range(8)]
+
+    def loader(step):
+        time.sleep(load_s)  # reading and decoding, off the GIL like file I/O
+        return pool[step % len(pool)]
+
+    ahead = mg.Trainer(loss_fn, opt, params)
+    inline = mg.Trainer(loss_fn, opt, params, prefetch=0)
+    times_c = {"prefetch": [], "inline": []}
+    for fn in (ahead, inline):
+        fn.fit(loader, steps=10, progress=False)
+    for r in range(args.rounds):
+        for name, tr_c in (("prefetch", ahead), ("inline", inline))[:: 1 if r % 2 == 0 else -1]:
+            times_c[name].append(
+                timed(lambda tr_c=tr_c: tr_c.fit(loader, steps=args.steps // 2, progress=False))
+                / (args.steps // 2)
+            )
+        mg.ledger().clear()
+    bound = 1.1 * max(load_s, step_s) + 1e-3
+    got = median(times_c["prefetch"])
+    rows_c = [
+        "(c) loader 1.5x a step",
+        f"{got * 1e3:.3f} ms",
+        f"max(load {load_s * 1e3:.3f}, step {step_s * 1e3:.3f} ms)",
+        f"{got / max(load_s, step_s):.3f}",
+        f"inline {median(times_c['inline']) * 1e3:.3f} ms",
+        f"<= {bound * 1e3:.3f} ms",
+        "yes" if got <= bound else "NO",
+    ]
     # (d): the dashboard attached
     tr = mg.Trainer(loss_fn, opt, params)
     dash = {"view": None}
@@ -208,12 +250,17 @@ def main(argv=None) -> int:
     if dash["view"] is not None:
         dash["view"].close()
     rows.append(row)
+    rows.insert(2, rows_c)
     print()
-    print("time per step, median of rounds; ratio = first / second; paired = median [quartiles] of per-round ratios")
+    print(
+        "time per step, median of rounds; ratio = first / second; paired = median [quartiles] of per-round ratios"
+    )
     print(table(["case", "mgkit", "peer", "ratio", "paired", "goal", "met"], rows))
     step_a = steps_ms["(a) batch 256"]["peer"]
-    print(f"\nsamples/s: (a) mgkit {256 / steps_ms['(a) batch 256']['mgkit']:,.0f}, peer {256 / step_a:,.0f}; "
-          f"(b) mgkit {16384 / steps_ms['(b) batch 16384']['mgkit']:,.0f}, peer {16384 / steps_ms['(b) batch 16384']['peer']:,.0f}")
+    print(
+        f"\nsamples/s: (a) mgkit {256 / steps_ms['(a) batch 256']['mgkit']:,.0f}, peer {256 / step_a:,.0f}; "
+        f"(b) mgkit {16384 / steps_ms['(b) batch 16384']['mgkit']:,.0f}, peer {16384 / steps_ms['(b) batch 16384']['peer']:,.0f}"
+    )
     return 0
 
 
