@@ -75,6 +75,26 @@ EXPECTED_OUTPUT = {
         "mgkit ledger:",
         "'what': 'logreg.fit_many (lbfgs)'",
     ],
+    "04_training.ipynb": [
+        "Mapped name dev7 to device cpu7",
+        "1. split:     host -> 8 contexts, 16 of 128 rows, 704 B each",
+        "4. gather:    7 contexts -> dev0, loss and gradients,",
+        "6. copy back: dev0 -> 7 contexts, the new parameters,",
+        "moves in the ledger: 22",
+        "bytes moved (row: from, column: to)",
+        "one SPMD program per step; step 20",
+        "same parameters (atol 1e-6): True",
+        "mgkit training history: 20 step(s) on 8 context(s)",
+        "step 25 - parameters on dev0+dev1+dev2+dev3+dev4+dev5+dev6+dev7",
+        "fitted coefficients within 0.01 of the true ones: True",
+        "train: (1347, 64)  test: (450, 64)",
+        "mgkit device map: 8 context(s)",
+        "mgkit training history: 300 step(s) on 8 context(s)",
+        "test accuracy on 8 contexts: 0.9",
+        "mgkit throughput: 8 context(s) reporting",
+        ", within 1e-5: True",
+        "same test accuracy on 8 contexts and on 1 context (within 1%): True",
+    ],
 }
 
 
