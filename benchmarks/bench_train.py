@@ -172,7 +172,8 @@ def main(argv=None) -> int:
         ";".join(f"{n}->{d.platform}{d.id}" for n, d in zip(names, devices, strict=True)), verbose=False
     )
     print(
-        f"mgkit {mg.__version__}, jax {jax.__version__}, {len(devices)} {devices[0].platform} device(s): {names}"
+        f"mgkit {mg.__version__}, jax {jax.__version__}, "
+        f"{len(devices)} {devices[0].platform} device(s): {names}"
     )
     rng = np.random.default_rng(0)
     data = {
@@ -253,13 +254,14 @@ def main(argv=None) -> int:
     rows.insert(2, rows_c)
     print()
     print(
-        "time per step, median of rounds; ratio = first / second; paired = median [quartiles] of per-round ratios"
+        "time per step, median of rounds; ratio = first / second; "
+        "paired = median [quartiles] of per-round ratios"
     )
     print(table(["case", "mgkit", "peer", "ratio", "paired", "goal", "met"], rows))
-    step_a = steps_ms["(a) batch 256"]["peer"]
+    a, b = steps_ms["(a) batch 256"], steps_ms["(b) batch 16384"]
     print(
-        f"\nsamples/s: (a) mgkit {256 / steps_ms['(a) batch 256']['mgkit']:,.0f}, peer {256 / step_a:,.0f}; "
-        f"(b) mgkit {16384 / steps_ms['(b) batch 16384']['mgkit']:,.0f}, peer {16384 / steps_ms['(b) batch 16384']['peer']:,.0f}"
+        f"\nsamples/s: (a) mgkit {256 / a['mgkit']:,.0f}, peer {256 / a['peer']:,.0f}; "
+        f"(b) mgkit {16384 / b['mgkit']:,.0f}, peer {16384 / b['peer']:,.0f}"
     )
     return 0
 
