@@ -106,9 +106,19 @@ class Layout:
         # per (kind, source, target): events, bytes, and the share of one call's seconds
         self.totals = tuple((key, c, b, s) for key, (c, b, s) in sums.items())
 
-    def events(self, start: float, seconds: float, label: int | None) -> list[Event]:
-        """The events of one call issued at ``start`` that took ``seconds`` together."""
-        return [_new(Event, (*head, start, seconds * share, label, info)) for head, share, info in self.rows]
+    def events(
+        self, start: float, seconds: float, label: int | None, extra: tuple | None = None
+    ) -> list[Event]:
+        """The events of one call issued at ``start`` that took ``seconds`` together; ``extra``:
+        one dict per event of this call's own facts (a step's loss), merged into its info."""
+        if extra is None:
+            return [
+                _new(Event, (*head, start, seconds * share, label, info)) for head, share, info in self.rows
+            ]
+        return [
+            _new(Event, (*head, start, seconds * share, label, {**(info or {}), **more}))
+            for (head, share, info), more in zip(self.rows, extra, strict=True)
+        ]
 
     def __iter__(self):
         return iter(self.rows)
@@ -127,9 +137,10 @@ class _Recorded(NamedTuple):
     start: float
     seconds: float
     label: int | None
+    extra: tuple | None = None  # per event: this call's own facts
 
     def events(self) -> list[Event]:
-        return self.layout.events(self.start, self.seconds, self.label)
+        return self.layout.events(self.start, self.seconds, self.label, self.extra)
 
 
 def _size(entry: Event | _Recorded) -> int:
@@ -344,10 +355,13 @@ class Ledger:
         if subscribers:
             self._notify(events, subscribers)
 
-    def record_layout(self, layout: Layout, start: float, seconds: float, label: int | None) -> None:
+    def record_layout(
+        self, layout: Layout, start: float, seconds: float, label: int | None, extra: tuple | None = None
+    ) -> None:
         """Records the events of ``layout`` for one call issued at ``start`` that took ``seconds``
-        (each event its share): one entry and one fold per call, the events made when read."""
-        self._record_layout(_Recorded(layout, start, seconds, label))
+        (each event its share): one entry and one fold per call, the events made when read.
+        ``extra``: one dict per event of this call's own facts, merged into its info."""
+        self._record_layout(_Recorded(layout, start, seconds, label, extra))
 
     def _record_layout(self, entry: _Recorded) -> None:
         with self._lock:

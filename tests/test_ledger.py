@@ -287,3 +287,13 @@ def test_label_is_the_ipython_execution_count():
         assert [e.label for e in mg.ledger().records()] == [count]
     finally:
         InteractiveShell.clear_instance()
+
+
+def test_a_layout_entry_carries_each_calls_own_facts():
+    led, lay = Ledger(), _layout(2)  # 3 events
+    facts = ({"loss": 1.0}, {"loss": 2.0}, {"loss": 3.0})
+    led.record_layout(lay, 5.0, 1.0, None, facts)
+    led.record_layout(lay, 6.0, 1.0, None)
+    got = led.records()
+    assert [e.info.get("loss") for e in got] == [1.0, 2.0, 3.0, None, None, None]
+    assert got[0].info["i"] == 0 and lay.rows[0][2] == {"i": 0}  # the layout's own info is not changed

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from .. import _progress
+from .._ledger import Layout, ledger
 from .._numbers import whole
 from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
@@ -195,6 +196,7 @@ class Trainer:
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
         self._position_after: dict | None = None
+        self._layouts: dict = {}  # (rows per context, steps) -> the step events' Layout
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
@@ -485,6 +487,34 @@ class Trainer:
             self._finish(pending, last, history, run, bar)
         return self._position_after
 
+    def _step_layout(self, rows: tuple[int, ...], total: int | None) -> Layout:
+        """The ``step`` events of a step, one per context (its rows), made once per layout: each
+        step's loss and rates go with it (``Ledger.record_layout``'s extra)."""
+        key = (rows, total)
+        layout = self._layouts.get(key)
+        if layout is None:
+            nan = float("nan")
+            layout = Layout(
+                [
+                    (
+                        ("step", c.name, c.name, c.short, c.short, 0),
+                        1.0,
+                        {
+                            "what": "Trainer.fit",
+                            "of": total,
+                            "models": 1,
+                            "rows": r,
+                            "grad": nan,
+                            "final": False,
+                        },
+                    )
+                    for c, r in zip(self.targets.contexts, rows, strict=True)
+                ]
+            )
+            if len(self._layouts) < 64:
+                self._layouts[key] = layout
+        return layout
+
     # -- checkpoints -------------------------------------------------------------------------
 
     def _state(self, position: dict | None) -> dict:
@@ -575,9 +605,20 @@ class Trainer:
         loss = float(out.loss)
         ok = bool(out.ok)
         now = time.perf_counter()
-        history.append(step, loss if ok else float("nan"), now - last, rows)
-        run.samples = rows
-        run.steps([(i, step, np.asarray(loss), np.asarray(np.nan)) for i in range(len(rows))])
+        seconds = now - last
+        history.append(step, loss if ok else float("nan"), seconds, rows)
+        facts = tuple(
+            {
+                "iteration": step,
+                "loss": loss,
+                "samples_per_second": r / seconds if seconds > 0 else float("nan"),
+            }
+            for r in rows
+        )
+        ledger().record_layout(
+            self._step_layout(rows, run.total), time.time() - seconds, seconds, run.label, facts
+        )
+        run.iteration, run.loss = step, loss
         bar.tick()
         if not ok and self.on_nan == "raise":
             raise FloatingPointError(
