@@ -165,7 +165,6 @@ class LoopStep:
     ):
         self.targets = targets
         self.grad = jax.jit(gradients(loss_fn, has_aux))
-        self.optimizer = optimizer
 
         def combine(params, opt_state, weights, losses, grads, auxes):
             loss, grad = _weighted(weights, losses), _weighted(weights, grads)

@@ -389,10 +389,11 @@ class Trainer:
         bar = _Bar(run, progress)
         feed = self._feed(src, total)
         error: BaseException | None = None
-        position = getattr(src, "position", None)
+        start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
+        self._position_after = None
         try:
             with _Interrupts() as stop:
-                position = self._loop(feed, total, history, run, bar, stop) or position
+                self._loop(feed, total, history, run, bar, stop)
         except FloatingPointError as e:
             error = e
         finally:
@@ -402,7 +403,7 @@ class Trainer:
             if self.checkpoints is not None:
                 self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
             if isinstance(src, _data.ArraySource):
-                self._position = self._position_after or src.position
+                self._position = self._position_after or start
         if error is not None:
             history.stopped = "nan"
             raise error
@@ -444,12 +445,14 @@ class Trainer:
             return (place(item) for item in batches())
         return Prefetch(batches(), place, self.prefetch, where="fit")
 
-    def _loop(self, feed: Any, total: int | None, history: History, run: Any, bar: _Bar, stop: _Interrupts):
+    def _loop(
+        self, feed: Any, total: int | None, history: History, run: Any, bar: _Bar, stop: _Interrupts
+    ) -> None:
         """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), reading each loss
-        (on CPU devices at once: at most one step in flight; elsewhere one step late)."""
+        (on CPU devices at once: at most one step in flight; elsewhere one step late). Keeps
+        the data position after the last dispatched batch in ``_position_after``."""
         one_in_flight = self.targets.devices[0].platform == "cpu"
         done, pending, last = 0, None, time.perf_counter()
-        self._position_after = None
         while total is None or done < total:
             if stop.requested:
                 history.stopped = "interrupted"
@@ -485,7 +488,6 @@ class Trainer:
                 pending = current
         if pending is not None:
             self._finish(pending, last, history, run, bar)
-        return self._position_after
 
     def _step_layout(self, rows: tuple[int, ...], total: int | None) -> Layout:
         """The ``step`` events of a step, one per context (its rows), made once per layout: each
