@@ -342,7 +342,10 @@ class Trainer:
             them, shuffled per epoch by the trainer's seed, and a later fit goes on where this
             one stopped); a function ``step -> batch`` (given the step number, from 1); or an
             iterable of batches (a list, a generator), which may end early: the fit then stops
-            with a warning, state kept.
+            with a warning, state kept. A list is read from its start by each fit; an iterator
+            (a generator) goes on where the last fit left it, less the batches its loader had
+            read ahead (up to ``prefetch`` + 1) when a fit stops early (Ctrl-C, a NaN): for
+            data whose position is kept across fits and checkpoints, give arrays or a function.
           steps: steps to run (default: one epoch of arrays; required for a function). With
             ``resume=True``, the steps of the whole run: a run restored at step s runs
             ``steps - s`` more, so the same call re-run after a crash finishes the same run.
