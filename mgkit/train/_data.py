@@ -30,23 +30,22 @@ def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, i
     leaves, treedef = leaves_of(batch, where)
     if not leaves:
         raise ValueError(f"{where}: {what} has no arrays; give a pytree of arrays with rows along axis 0")
-    paths = _paths(batch)
-    rows = {}
-    for path, leaf in zip(paths, leaves, strict=True):
-        shape = np.shape(leaf)
-        if not shape:
-            raise ValueError(
-                f"{where}: {what} leaf {path} is a scalar; every leaf needs rows along axis 0 "
-                f"(e.g. x of shape (n, features), y of shape (n,))"
-            )
-        rows[path] = shape[0]
-    if len(set(rows.values())) > 1:
-        listed = ", ".join(f"{p}: {n}" for p, n in rows.items())
+    shapes = [np.shape(leaf) for leaf in leaves]
+    counts = {shape[0] if shape else None for shape in shapes}
+    if len(counts) > 1 or None in counts:  # the leaves are named only for a message (per batch)
+        paths = _paths(batch)
+        for path, shape in zip(paths, shapes, strict=True):
+            if not shape:
+                raise ValueError(
+                    f"{where}: {what} leaf {path} is a scalar; every leaf needs rows along axis 0 "
+                    f"(e.g. x of shape (n, features), y of shape (n,))"
+                )
+        listed = ", ".join(f"{p}: {shape[0]}" for p, shape in zip(paths, shapes, strict=True))
         raise ValueError(
             f"{where}: {what}'s leaves have different row counts ({listed}); every leaf needs the "
             "same number of rows along axis 0, one per example"
         )
-    n = next(iter(rows.values()))
+    n = shapes[0][0]
     if n == 0:
         raise ValueError(f"{where}: {what} has 0 rows; give at least one row per context ({k} or more)")
     if n < k:

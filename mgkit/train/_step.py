@@ -150,7 +150,7 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
             values[i] = c
     shardings = [sharding(targets.devices, AXIS, ax) for _, ax in moving]
     placed = jax.device_put(values, shardings)
-    nbytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in values)
+    nbytes = sum(x.size * x.dtype.itemsize for x in values)  # numpy or jax arrays (check_batch)
     at_once = time.perf_counter() if _spmd.lands_at_once(targets.devices, nbytes) else None
     _spmd.record(_spmd.spmd_layout(moving, targets, sizes), start, placed, t0, at_once)
     r = len(even)
