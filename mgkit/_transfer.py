@@ -29,15 +29,14 @@ def leaves_of(tree: Any, fn: str, names: Callable[[int], str] | None = None) -> 
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, _LEAF_TYPES) or (isinstance(leaf, np.ndarray) and leaf.dtype == object):
-            where = names(i) if names else f"leaf {_paths(tree)[i]}"
+            where = names(i) if names else f"leaf {leaf_paths(tree)[i]}"
             _reject(leaf, where, fn)
     return leaves, treedef
 
 
-def _paths(tree: Any) -> list[str]:
-    return [
-        jax.tree_util.keystr(p) or "(the value itself)" for p, _ in jax.tree_util.tree_leaves_with_path(tree)
-    ]
+def leaf_paths(tree: Any, itself: str = "(the value itself)") -> list[str]:
+    """How messages name a pytree's leaves (``['x']``, ``[0]``...); ``itself`` for a lone leaf."""
+    return [jax.tree_util.keystr(p) or itself for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def _reject(leaf: Any, where: str, fn: str) -> None:
@@ -311,7 +310,7 @@ def where(tree: Any) -> str | dict:
     names = [source(leaf)[0].name for leaf in leaves]
     if len(set(names)) == 1:
         return names[0]
-    return dict(zip(_paths(tree), names, strict=True))
+    return dict(zip(leaf_paths(tree), names, strict=True))
 
 
 def synchronize(ctx: str | jax.Device | None = None) -> None:

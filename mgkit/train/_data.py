@@ -13,15 +13,9 @@ import jax
 import numpy as np
 
 from .._numbers import whole
-from .._transfer import leaves_of
+from .._transfer import leaf_paths, leaves_of
 
 DEFAULT_BATCH = 256  # rows per batch when the caller does not say (or every row, when fewer)
-
-
-def _paths(tree: Any) -> list[str]:
-    return [
-        jax.tree_util.keystr(p) or "(the batch itself)" for p, _ in jax.tree_util.tree_leaves_with_path(tree)
-    ]
 
 
 def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, int]:
@@ -33,7 +27,7 @@ def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, i
     shapes = [np.shape(leaf) for leaf in leaves]
     counts = {shape[0] if shape else None for shape in shapes}
     if len(counts) > 1 or None in counts:  # the leaves are named only for a message (per batch)
-        paths = _paths(batch)
+        paths = leaf_paths(batch, "(the batch itself)")
         for path, shape in zip(paths, shapes, strict=True):
             if not shape:
                 raise ValueError(
