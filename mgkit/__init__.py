@@ -7,6 +7,7 @@
 'dev1'
 """
 
+from . import launching as launching
 from . import logreg as logreg
 from . import train as train
 from ._contexts import ContextMap as ContextMap
@@ -40,6 +41,10 @@ from ._transfer import synchronize as synchronize
 from ._transfer import transfer as transfer
 from ._transfer import where as where
 from ._version import __version__ as __version__
+from .launching import LaunchError as LaunchError
+from .launching import LaunchResult as LaunchResult
+from .launching import beat as beat
+from .launching import launch as launch
 from .train import History as History
 from .train import Trainer as Trainer
 
@@ -53,12 +58,15 @@ __all__ = [
     "DeviceTable",
     "Event",
     "History",
+    "LaunchError",
+    "LaunchResult",
     "Ledger",
     "Parallel",
     "Prefetch",
     "ThroughputView",
     "Trainer",
     "TransferView",
+    "beat",
     "clear_caches",
     "colocate",
     "concat",
@@ -66,6 +74,8 @@ __all__ = [
     "current",
     "device_of",
     "devices",
+    "launch",
+    "launching",
     "ledger",
     "logreg",
     "make_parallel",

@@ -429,11 +429,25 @@ def place_spmd(
     if copies:
         for i, c in zip(copies, private([out[i] for i in copies]), strict=True):
             out[i] = c
-    placed = jax.device_put([out[i] for i in moving], [shardings[i] for i in moving])
+    placed = put([out[i] for i in moving], [shardings[i] for i in moving])
     for i, p in zip(moving, placed, strict=True):
         out[i] = p
     if not staged:
         record(spmd_layout(moves, targets, sizes), start, [concrete(p) for p in placed], t0)
+    return out
+
+
+def put(values: list, shardings: Sequence[jax.sharding.Sharding]) -> list:
+    """``jax.device_put(values, shardings)``, also for shardings over several processes (after
+    ``jax.distributed.initialize``): there every process holds the same host values and lays
+    out only its own devices' parts, with no collective (``device_put`` would first check with
+    the other processes that the values agree, a collective that must not run beside a step)."""
+    if all(s.is_fully_addressable for s in shardings):
+        return jax.device_put(values, list(shardings))
+    out = []
+    for value, target in zip(values, shardings, strict=True):
+        host = np.asarray(value)
+        out.append(jax.make_array_from_callback(host.shape, target, lambda index, host=host: host[index]))
     return out
 
 

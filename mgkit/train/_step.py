@@ -149,7 +149,7 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
         for i, c in zip(host, _spmd.private([values[i] for i in host]), strict=True):
             values[i] = c
     shardings = [sharding(targets.devices, AXIS, ax) for _, ax in moving]
-    placed = jax.device_put(values, shardings)
+    placed = _spmd.put(values, shardings)
     nbytes = sum(x.size * x.dtype.itemsize for x in values)  # numpy or jax arrays (check_batch)
     at_once = time.perf_counter() if _spmd.lands_at_once(targets.devices, nbytes) else None
     _spmd.record(_spmd.spmd_layout(moving, targets, sizes), start, placed, t0, at_once)

@@ -1,0 +1,171 @@
+"""A rank's first code: ``python -m mgkit.launching FD_IN FD_OUT``, started by ``mg.launch``.
+
+It reads its arguments from the kernel's pipe (FD_IN), keeps that pipe open as a lifeline
+(its end means the kernel died: the rank exits at once), fixes nothing about devices itself
+(the kernel set ``CUDA_VISIBLE_DEVICES`` or the CPU device count in the environment before
+this interpreter started), joins ``jax.distributed`` when asked, says it is ready, runs the
+function and sends back its value or its error over FD_OUT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from . import _check, _rank, _wire
+
+EXIT_LIFELINE = 70  # the kernel's end of the lifeline closed: it died or gave up on this rank
+
+
+def _lifeline(fd: int) -> None:
+    """Blocks on the kernel's pipe; when it ends, so does this process (no clean-up that could hang)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    os._exit(EXIT_LIFELINE)
+
+
+def _describe(exc: BaseException) -> dict:
+    kind = type(exc)
+    name = (
+        kind.__qualname__
+        if kind.__module__ in ("builtins", "__main__")
+        else (f"{kind.__module__}.{kind.__qualname__}")
+    )
+    try:
+        import cloudpickle
+
+        blob = cloudpickle.dumps(exc)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - the text below is enough when the exception cannot travel
+        blob = None
+    return {
+        "type": name,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))),
+        "exception": blob,
+    }
+
+
+def _user_frames(tb):
+    """The traceback from the user's function on (this module's own frames left out)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
+
+
+def _initialize(config: dict) -> None:
+    """Joins jax.distributed with the kernel's coordinator address and timeouts."""
+    import inspect
+
+    import jax
+
+    if config.get("loopback"):
+        _gloo_on_loopback()
+    kwargs = {
+        "coordinator_address": config["coordinator"],
+        "num_processes": config["num_processes"],
+        "process_id": config["process_id"],
+        "coordinator_bind_address": config.get("bind"),
+        "initialization_timeout": config["init"],
+        "heartbeat_timeout_seconds": config["heartbeat"],
+        "shutdown_timeout_seconds": config["shutdown"],
+    }
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if k in accepted and v is not None})
+
+
+def _gloo_on_loopback() -> None:
+    """Gloo's CPU collectives listen on the address the host name resolves to; a launch on one
+    machine keeps them on 127.0.0.1 like its coordinator."""
+    try:
+        from jax._src import xla_bridge
+
+        make = xla_bridge._jax.make_gloo_tcp_collectives
+    except (ImportError, AttributeError):  # pragma: no cover - layout of another jax
+        return
+
+    def on_loopback(*args, **kwargs):
+        kwargs.setdefault("hostname", "127.0.0.1")
+        return make(*args, **kwargs)
+
+    with contextlib.suppress(AttributeError, TypeError):  # a read-only module: gloo's own choice
+        xla_bridge._jax.make_gloo_tcp_collectives = on_loopback
+
+
+def _finish(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    fd_in, fd_out = int(argv[1]), int(argv[2])
+    frames = [_wire.recv_bytes(fd_in) for _ in range(4)]
+    if any(f is None for f in frames):
+        os._exit(EXIT_LIFELINE)
+    header = pickle.loads(frames[0])
+    threading.Thread(target=_lifeline, args=(fd_in,), name="mgkit-lifeline", daemon=True).start()
+    channel = _wire.Channel(fd_out)
+    rank = header["rank"]
+    sys.path[:0] = [p for p in header["sys_path"] if p not in sys.path]
+    stacks = open(header["stacks"], "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        import cloudpickle
+        import jax
+
+        if header["distributed"]:
+            _initialize(header["distributed"])
+        from .._devices import short_name
+
+        devices = [short_name(d) for d in jax.local_devices()]
+        fn = cloudpickle.loads(frames[1])
+        shared = cloudpickle.loads(frames[2])
+        private = cloudpickle.loads(frames[3])
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
+        channel.send(("error", {**_describe(exc), "during": "start"}))
+        _finish(1)
+    channel.send(("ready", {"devices": devices, "seconds": time.perf_counter() - t0}))
+    _rank.attach(channel)
+    code = 0
+    try:
+        value = fn(rank, shared, private)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        channel.send(("error", {**_describe(exc), "during": "run"}))
+        _finish(code)
+    except BaseException as exc:  # noqa: BLE001
+        channel.send(("error", {**_describe(exc), "during": "run"}))
+        _finish(1)
+    try:
+        blob = cloudpickle.dumps(value)
+    except Exception:  # noqa: BLE001 - reported by name with the rank
+        part, cause = "the value", "it cannot be pickled"
+        try:
+            _check.dumps(value, "the value", "")
+        except _check.SendError as exc:
+            part = str(exc.args[0]).split(" to the ranks: ")[0].removeprefix("mg.launch cannot send ")
+            cause = str(exc.__cause__ or exc)
+        channel.send(("unsendable", {"type": type(value).__qualname__, "part": part, "message": cause}))
+        _finish(1)
+    channel.send_raw(pickle.dumps(("result", len(blob))))
+    channel.send_raw(blob)
+    if header["distributed"]:
+        try:
+            jax.distributed.shutdown()
+        except Exception:  # noqa: BLE001 - the value is home; a peer that is gone cannot matter now
+            code = 0
+    _finish(code)

@@ -1,0 +1,278 @@
+"""A launch's plan: which devices each rank owns, its environment, and the pickled frames it is
+sent, all checked before any process starts (every bad argument gets its own clear error)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import pickle
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from .._numbers import real, whole
+from . import _check
+
+TIMEOUTS = {"heartbeat": 10, "init": 60, "shutdown": 10}  # jax.distributed's, in seconds
+_OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "MGKIT_RANK", "MGKIT_NPROCS")
+
+
+# ---------------------------------------------------------------- what runs where (checked first)
+
+
+@dataclass
+class _Plan:
+    nprocs: int
+    platform: str  # "cpu" or "gpu"
+    groups: list[list[str]]  # per rank: CUDA ids, or CPU device names
+    envs: list[dict[str, str]]
+    frames: list[list[bytes]]  # per rank: header, fn, shared, private
+    distributed: dict | None
+    timeout: float | None
+    grace: float
+    stall_after: float | None
+    on_stall: str
+
+
+def _pool() -> tuple[str, list[str]]:
+    """The devices ranks can own: the kernel's GPUs (by CUDA id), else CPU devices (simulated:
+    as many as the kernel has or the machine has cores, whichever is more)."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
+        if len(ids) < len(gpus):
+            ids = [str(i) for i in range(len(gpus))]
+        return "gpu", ids[: len(gpus)]
+    n = max(len(jax.devices("cpu")), os.cpu_count() or 1)
+    return "cpu", [f"cpu{i}" for i in range(n)]
+
+
+def _counts(nprocs: Any, private: Any, devices_per_process: Any) -> tuple[str, list[list[str]], int]:
+    dpp = whole(
+        devices_per_process,
+        "devices_per_process",
+        "mg.launch",
+        lo=1,
+        example=1,
+        note="devices each rank owns",
+    )
+    platform, pool = _pool()
+    what = (
+        "GPU(s) " + ", ".join(pool)
+        if platform == "gpu"
+        else f"{len(pool)} CPU device(s) (simulated per rank)"
+    )
+    if len(pool) % dpp:
+        fits = [d for d in range(1, len(pool) + 1) if len(pool) % d == 0]
+        raise ValueError(
+            f"devices_per_process={dpp} does not divide the {len(pool)} devices ranks can own ({what}); "
+            f"use one of {fits}"
+        )
+    if private is not None and not isinstance(private, list | tuple):
+        raise TypeError(
+            f"private must be a list with one entry per rank, got {type(private).__name__} "
+            f"{_short(private)}; e.g. private=[{{'l2': 1e-3}}, {{'l2': 1e-2}}] for two ranks"
+        )
+    if nprocs is None:
+        nprocs = len(private) if private is not None else len(pool) // dpp
+    nprocs = whole(nprocs, "nprocs", "mg.launch", lo=1, example=2, note="the number of processes")
+    if nprocs * dpp > len(pool):
+        raise ValueError(
+            f"nprocs={nprocs} with devices_per_process={dpp} needs {nprocs * dpp} devices, but there are "
+            f"{len(pool)} ({what}); use at most nprocs={len(pool) // dpp}"
+            + ("" if platform == "gpu" else ", or mg.simulate(n) more CPU devices in the kernel first")
+        )
+    if private is not None and len(private) != nprocs:
+        raise ValueError(
+            f"private has {len(private)} entries but there are {nprocs} ranks; give one entry per rank "
+            f"(private[i] goes to rank i), or nprocs={len(private)}"
+        )
+    return platform, [pool[r * dpp : (r + 1) * dpp] for r in range(nprocs)], nprocs
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _env(extra: Any, platform: str, group: list[str], rank: int, nprocs: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MGKIT_RANK"], env["MGKIT_NPROCS"] = str(rank), str(nprocs)
+    if platform == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(group)
+        env.pop("MGKIT_SIMULATE", None)
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["JAX_NUM_CPU_DEVICES"] = env["MGKIT_SIMULATE"] = str(len(group))
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+        if flags:
+            env["XLA_FLAGS"] = flags
+        else:
+            env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _check_env(env: Any) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise TypeError(
+            "env must be a dict of strings to strings (added to every rank's environment), got "
+            f"{_short(env)}; "
+            "e.g. env={'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.4'}"
+        )
+    own = sorted(set(env) & set(_OWN_ENV))
+    if own:
+        raise ValueError(
+            f"env sets {', '.join(own)}, which mg.launch sets itself for each rank from devices_per_process; "
+            "remove it and choose devices with nprocs and devices_per_process"
+        )
+    return env
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(
+                f"the coordinator port {port} on {host} is busy ({exc.strerror}); pass another, "
+                f"e.g. coordinator='127.0.0.1:{_free_port()}', or leave coordinator=None for a free one"
+            ) from None
+
+
+def _coordinator(coordinator: Any, nprocs: int, timeouts: Any) -> dict:
+    if nprocs < 2:
+        raise ValueError(
+            "distributed=True needs at least 2 processes (jax.distributed joins several processes), "
+            "but there is 1; use nprocs=2 or more, or distributed=False for one process"
+        )
+    if coordinator is None:
+        host, port = "127.0.0.1", _free_port()
+    else:
+        if isinstance(coordinator, int) and not isinstance(coordinator, bool):
+            host, port_text = "127.0.0.1", str(coordinator)
+        elif isinstance(coordinator, str) and coordinator.rpartition(":")[0]:
+            host, _, port_text = coordinator.rpartition(":")
+            host = host.strip("[]")
+        else:
+            raise ValueError(
+                f"coordinator must be 'host:port' or a port number, got {_short(coordinator)}; "
+                "e.g. coordinator='127.0.0.1:12355', or None for a free port on 127.0.0.1"
+            )
+        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            raise ValueError(
+                f"coordinator port {port_text!r} (in {coordinator!r}) is not a port number from 1 to 65535; "
+                "e.g. coordinator='127.0.0.1:12355'"
+            )
+        port = int(port_text)
+        if _loopback(host) or host in ("0.0.0.0", "::"):
+            _check_port_free("127.0.0.1" if host == "localhost" else host, port)
+    limits = dict(TIMEOUTS)
+    if timeouts is not None:
+        if not isinstance(timeouts, dict):
+            raise TypeError(f"timeouts must be a dict like {TIMEOUTS}, got {_short(timeouts)}")
+        unknown = sorted(set(timeouts) - set(TIMEOUTS))
+        if unknown:
+            raise ValueError(
+                f"unknown timeout(s) {unknown}; the timeouts are {sorted(TIMEOUTS)} (seconds), "
+                f"defaults {TIMEOUTS}"
+            )
+        for key, value in timeouts.items():
+            limits[key] = max(1, round(real(value, f"timeouts[{key!r}]", "mg.launch", lo=0, example=10)))
+    address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    return {
+        "coordinator": address,
+        "bind": address,
+        "loopback": _loopback(host),
+        "num_processes": nprocs,
+        **limits,
+    }
+
+
+def plan(
+    fn: Any,
+    *,
+    nprocs: Any,
+    shared: Any,
+    private: Any,
+    devices_per_process: Any,
+    distributed: Any,
+    timeout: Any,
+    grace: Any,
+    env: Any,
+    coordinator: Any,
+    timeouts: Any,
+    stall_after: Any,
+    on_stall: Any,
+    stacks_dir: str,
+) -> _Plan:
+    """Checks every argument and pickles what goes to the ranks, before any process starts."""
+    _check.check_signature(fn)
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed must be True or False, got {_short(distributed)}")
+    if timeout is not None:
+        timeout = real(
+            timeout, "timeout", "mg.launch", lo=0, example=600, note="seconds for the whole launch"
+        )
+        if timeout <= 0:
+            raise ValueError(f"timeout must be above 0 seconds (or None for no limit), got {timeout}")
+    grace = real(grace, "grace", "mg.launch", lo=0, example=5.0, note="seconds between SIGTERM and SIGKILL")
+    if stall_after is not None:
+        stall_after = real(stall_after, "stall_after", "mg.launch", lo=0, example=30)
+        if stall_after <= 0:
+            raise ValueError(f"stall_after must be above 0 seconds (or None to learn it), got {stall_after}")
+    if on_stall not in ("raise", "warn"):
+        raise ValueError(f"on_stall must be 'raise' or 'warn', got {_short(on_stall)}")
+    extra = _check_env(env)
+    platform, groups, nprocs = _counts(nprocs, private, devices_per_process)
+    if coordinator is not None and not distributed:
+        raise ValueError(
+            "coordinator= is the address of jax.distributed's coordinator: pass distributed=True too"
+        )
+    if timeouts is not None and not distributed:
+        raise ValueError("timeouts= sets jax.distributed's timeouts: pass distributed=True too")
+    config = _coordinator(coordinator, nprocs, timeouts) if distributed else None
+    fix = "Create it inside the function instead, or pass what it is made from."
+    fn_bytes = _check.dumps(fn, getattr(fn, "__qualname__", "fn"), fix)
+    shared_bytes = _check.dumps(shared, "shared", fix)
+    private_bytes = [
+        _check.dumps(None if private is None else private[r], f"private[{r}]", fix) for r in range(nprocs)
+    ]
+    frames, envs = [], []
+    for r in range(nprocs):
+        header = {
+            "rank": r,
+            "sys_path": [p for p in sys.path if p],
+            "stacks": os.path.join(stacks_dir, f"rank{r}.txt"),
+            "distributed": None if config is None else {**config, "process_id": r},
+        }
+        frames.append([pickle.dumps(header), fn_bytes, shared_bytes, private_bytes[r]])
+        envs.append(_env(extra, platform, groups[r], r, nprocs))
+    return _Plan(nprocs, platform, groups, envs, frames, config, timeout, grace, stall_after, on_stall)

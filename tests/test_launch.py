@@ -1,0 +1,242 @@
+"""mg.launch in real processes: values, output, and every fault with its detection time measured
+and no process left behind (psutil). Ranks start in about 2-3 s here (a fresh interpreter that
+imports JAX, two at a time on two cores), so each test starts as few ranks as it can."""
+
+import _thread
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import mgkit as mg
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _gone(pids, within: float) -> float:
+    """Seconds until every pid has exited (fails past ``within``)."""
+    t0 = time.perf_counter()
+    while True:
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return time.perf_counter() - t0
+        assert time.perf_counter() - t0 < within, f"processes {alive} still alive after {within} s"
+        time.sleep(0.02)
+
+
+def _no_children() -> None:
+    left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in left if "mgkit.launching" in " ".join(p.cmdline())], left
+
+
+def _marks(tail, word):
+    """The times a rank printed as ``word <time.time()>`` just before it failed."""
+    return [float(line.split()[-1]) for line in tail if line.startswith(word)]
+
+
+def test_values_shared_private_and_output(capfd):
+    def work(rank, shared, private):
+        import jax
+
+        print(f"rank says {rank} with {len(jax.devices())} device(s)")
+        return shared["x"] * private["k"] + rank
+
+    res = mg.launch(work, shared={"x": np.arange(3)}, private=[{"k": 1}, {"k": 2}])
+    assert [v.tolist() for v in res.values] == [[0, 1, 2], [1, 3, 5]]
+    assert res.exit_codes == [0, 0]
+    assert all(s > 0 for s in res.seconds)
+    assert [r.devices for r in res.ranks] == [("cpu0",), ("cpu0",)]
+    assert [r.state for r in res.ranks] == ["done", "done"]
+    out = capfd.readouterr().out
+    assert "[rank 0] rank says 0 with 1 device(s)" in out
+    assert "[rank 1] rank says 1 with 1 device(s)" in out
+    assert "rank" in repr(res) and "done" in repr(res)
+    kinds = {e.info["event"] for e in mg.ledger().records("launch")}
+    assert {"ready", "done"} <= kinds
+    _no_children()
+
+
+def test_a_rank_raises_others_stop_values_kept():
+    def work(rank, shared, private):
+        import time
+
+        if rank == 0:
+            return "early"
+        if rank == 1:
+            time.sleep(1.0)
+            print("raising", time.time(), flush=True)
+            raise ValueError("bad row in rank 1")
+        time.sleep(60)
+
+    t0 = time.perf_counter()
+    with pytest.raises(mg.LaunchError) as info:
+        mg.launch(work, nprocs=3, grace=2.0, stream=False)
+    err = info.value
+    raised = _marks(err.ranks[1].tail, "raising")[0]
+    latency = time.time() - raised
+    assert latency < 1.0, latency
+    assert err.kind == "raised" and err.rank == 1 and err.pid == err.ranks[1].pid
+    assert isinstance(err.exception, ValueError) and "bad row in rank 1" in str(err.exception)
+    assert "bad row in rank 1" in err.traceback and "in work" in err.traceback
+    assert "rank 1 (pid" in str(err) and "ValueError: bad row in rank 1" in str(err)
+    assert 'raise ValueError("bad row in rank 1")' in str(err)  # the source line, from the kernel
+    assert err.values[0] == "early" and err.done == [0]
+    assert [r.state for r in err.ranks] == ["done", "failed", "terminated"]
+    assert "terminated after rank 1 failed" in str(err)
+    _gone([r.pid for r in err.ranks], within=0.5)
+    _no_children()
+    assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize(
+    ("how", "kind", "words"),
+    [
+        ("os._exit(3)", "exited", "exited with code 3 without returning a value"),
+        ("os.kill(os.getpid(), 9)", "signal", "killed by signal SIGKILL (9)"),
+    ],
+)
+def test_exit_code_and_signal_detected_fast(how, kind, words):
+    code = f"import os, time\nprint('dying', time.time(), flush=True)\n{how}\n"
+
+    def work(rank, shared, private):
+        exec(shared)
+
+    with pytest.raises(mg.LaunchError) as info:
+        mg.launch(work, nprocs=1, shared=code, stream=False)
+    err = info.value
+    latency = time.time() - _marks(err.ranks[0].tail, "dying")[0]
+    assert latency < 0.5 + 0.2, latency  # 0.5 s to notice, plus the output's trip through the pipe
+    assert err.kind == kind and words in str(err)
+    _no_children()
+
+
+def test_unsendable_result_is_named_with_its_rank():
+    def work(rank, shared, private):
+        import threading
+
+        return {"lock": threading.Lock()}
+
+    with pytest.raises(
+        mg.LaunchError, match=r"rank 0 \(pid \d+\) returned a dict, which cannot be sent back"
+    ) as info:
+        mg.launch(work, nprocs=1, stream=False)
+    assert "the value['lock'] (a _thread.lock) cannot be pickled" in str(info.value)
+    assert info.value.kind == "unsendable"
+    _no_children()
+
+
+def test_stall_reports_stacks_and_steps_then_stops():
+    def work(rank, shared, private):
+        import time
+
+        import mgkit as mg
+
+        for step in range(1, 6):
+            mg.beat(step)
+        time.sleep(60)  # the hang
+
+    t0 = time.perf_counter()
+    with pytest.raises(mg.LaunchError) as info:
+        mg.launch(work, nprocs=1, stall_after=1.5, stream=False)
+    took = time.perf_counter() - t0
+    err = info.value
+    assert err.kind == "stalled" and err.rank == 0
+    assert "last completed step 5" in str(err)
+    assert "in work" in err.stacks[0] and "Python stacks of rank 0" in str(err)
+    assert took < 1.5 + 5.0, took  # start-up, then the limit, then the stack dump
+    _no_children()
+
+
+def test_timeout_stops_every_rank():
+    def work(rank, shared, private):
+        import time
+
+        time.sleep(60)
+
+    t0 = time.perf_counter()
+    with pytest.raises(mg.LaunchError, match="ran past timeout=4 s") as info:
+        mg.launch(work, nprocs=1, timeout=4, stream=False)
+    assert info.value.kind == "timeout" and "in work" in info.value.stacks[0]
+    assert 4 <= time.perf_counter() - t0 < 4 + 2.0
+    _no_children()
+
+
+def test_interrupt_stops_all_within_grace_then_relaunch_works():
+    """Ctrl-C in the kernel: every rank gone within grace + 5 s, even one that ignores SIGTERM."""
+
+    def work(rank, shared, private):
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(60)
+
+    pids = []
+
+    def interrupt():
+        while not pids:
+            state = mg.launching._launch.current()
+            if state and all(r.state == "running" for r in state[1]):
+                pids.extend(r.pid for r in state[1])
+                break
+            time.sleep(0.05)
+        time.sleep(0.3)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        mg.launch(work, nprocs=2, grace=1.0, stream=False)
+    assert pids
+    _gone(pids, within=1.0 + 5.0)
+    assert time.perf_counter() - t0 < 30
+    _no_children()
+    assert mg.launch(lambda rank, shared, private: rank + 1, nprocs=2, stream=False).values == [1, 2]
+
+
+def test_kernel_killed_children_exit_within_a_second(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            import mgkit as mg
+            mg.simulate(8)
+
+            def work(rank, shared, private):
+                import os, time
+                print("pid", os.getpid(), flush=True)
+                time.sleep(120)
+
+            mg.launch(work, nprocs=2)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    kernel = subprocess.Popen([sys.executable, "-u", str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    pids = []
+    try:
+        while len(pids) < 2:
+            line = kernel.stdout.readline()
+            assert line, "the kernel ended before its ranks started"
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        kernel.kill()
+        kernel.wait()
+        assert _gone(pids, within=1.0) < 1.0
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+        for pid in pids:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
