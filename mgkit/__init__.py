@@ -10,6 +10,7 @@
 from . import launching as launching
 from . import logreg as logreg
 from . import train as train
+from ._beat import beat as beat
 from ._contexts import ContextMap as ContextMap
 from ._contexts import context_map as context_map
 from ._contexts import current as current
@@ -41,9 +42,10 @@ from ._transfer import synchronize as synchronize
 from ._transfer import transfer as transfer
 from ._transfer import where as where
 from ._version import __version__ as __version__
+from ._watchdog import StallWarning as StallWarning
+from ._watchdog import watchdog as watchdog
 from .launching import LaunchError as LaunchError
 from .launching import LaunchResult as LaunchResult
-from .launching import beat as beat
 from .launching import launch as launch
 from .train import History as History
 from .train import Trainer as Trainer
@@ -63,6 +65,7 @@ __all__ = [
     "Ledger",
     "Parallel",
     "Prefetch",
+    "StallWarning",
     "ThroughputView",
     "Trainer",
     "TransferView",
@@ -90,6 +93,7 @@ __all__ = [
     "synchronize",
     "transfer",
     "use_contexts",
+    "watchdog",
     "where",
 ]
 

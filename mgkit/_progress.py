@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
+from ._beat import beat
 from ._ledger import Event, execution_label, ledger
 
 _DELAY = 1.0  # seconds of work before a bar appears (progress=None)
@@ -72,6 +73,7 @@ class Run:
         """Records one ``step`` event per context, ``(ctx, iteration, loss, grad)``, at once
         (``final``: the work is done, these are the contexts' last steps)."""
         ledger().record([self._event(*step, final=final) for step in steps])
+        beat(self.iteration)
 
     def _event(self, ctx: int, iteration: int, loss: Any, grad: Any, final: bool) -> Event:
         now = self._ends.pop(ctx, None) or time.perf_counter()

@@ -240,3 +240,135 @@ def test_kernel_killed_children_exit_within_a_second(tmp_path):
         for pid in pids:
             if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- jax.distributed across ranks
+
+
+def _psum_and_names(rank, shared, private):
+    import ipaddress
+
+    import jax
+    import numpy as np
+    import psutil
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import mgkit as mg
+
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+    local = np.arange(2.0) + 2 * rank + 1  # 1, 2 on rank 0; 3, 4 on rank 1
+    out = total(jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local))
+    listening = {c.laddr.ip for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN}
+
+    def loopback(ip):
+        address = ipaddress.ip_address(ip.split("%")[0])
+        mapped = getattr(address, "ipv4_mapped", None)
+        return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+    return {
+        "psum": float(np.asarray(out.addressable_data(0))[0]),
+        "contexts": str(mg.context_map()),
+        "ids": [d.id for d in jax.devices()],
+        "listening": sorted(listening),
+        "all_loopback": all(loopback(ip) for ip in listening),
+    }
+
+
+def test_distributed_psum_over_two_processes_of_two_devices():
+    res = mg.launch(_psum_and_names, nprocs=2, devices_per_process=2, distributed=True, stream=False)
+    for value in res.values:
+        assert value["psum"] == 1 + 2 + 3 + 4
+        assert value["ids"] == [0, 1, 2048, 2049]
+        assert value["contexts"] == "dev0->cpu0;dev1->cpu1;dev2->cpu2;dev3->cpu3"
+    assert res.values[0]["listening"], "the coordinator should listen in rank 0"
+    assert all(v["all_loopback"] for v in res.values), [v["listening"] for v in res.values]
+    assert [r.devices for r in res.ranks] == [("cpu0", "cpu1"), ("cpu2", "cpu3")]
+    _no_children()
+
+
+def _train(rank, shared, private):
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import mgkit as mg
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype(np.float32)
+    y = (x[:, 0] - x[:, 3] > 0).astype(np.float32)
+
+    def loss(p, b):
+        return optax.sigmoid_binary_cross_entropy(b["x"] @ p["w"] + p["b"], b["y"]).mean()
+
+    tr = mg.Trainer(loss, optax.adam(1e-2), {"w": jnp.zeros(8), "b": jnp.zeros(())})
+    hist = tr.fit({"x": x, "y": y}, steps=50, batch_size=64)
+    return float(hist.loss[-1]), len(tr.targets.contexts)
+
+
+def test_trainer_across_two_processes_equals_one_process():
+    two = mg.launch(_train, nprocs=2, devices_per_process=2, distributed=True, stream=False)
+    one = mg.launch(_train, nprocs=1, devices_per_process=4, stream=False)
+    assert two.values[0] == two.values[1]
+    assert two.values[0][1] == one.values[0][1] == 4
+    assert two.values[0][0] == pytest.approx(one.values[0][0], rel=1e-6, abs=1e-7)
+    _no_children()
+
+
+def _dies(rank, shared, private):
+    import os
+    import signal
+    import time
+
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import mgkit as mg
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P()))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(1))
+    for step in range(10_000):
+        total(x).block_until_ready()
+        mg.beat(step)
+        if step == 3 and rank == shared["rank"]:
+            print("fault", time.time(), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP if shared["how"] == "stop" else signal.SIGKILL)
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("rank", "how", "words"),
+    [
+        (1, "kill", "rank 1 (pid"),
+        (0, "kill", "rank 0 (pid"),
+        (1, "stop", "rank 1 (pid"),
+    ],
+    ids=["non-coordinator killed", "coordinator killed", "rank stalled"],
+)
+def test_distributed_faults_end_in_a_launch_error(rank, how, words):
+    heartbeat = 3
+    with pytest.raises(mg.LaunchError) as info:
+        mg.launch(
+            _dies,
+            nprocs=2,
+            distributed=True,
+            shared={"rank": rank, "how": how},
+            timeouts={"heartbeat": heartbeat},
+            grace=1.0,
+            stream=False,
+        )
+    err = info.value
+    fault = _marks(err.ranks[rank].tail, "fault")[0]
+    latency = time.time() - fault
+    assert latency < heartbeat + 2, latency
+    assert str(err).startswith(words) and err.rank == rank
+    other = err.ranks[1 - rank]
+    assert other.state in ("terminated", "aborted"), other
+    if other.state == "aborted":
+        assert f"aborted after rank {rank} died" in other.reason
+    _gone([r.pid for r in err.ranks], within=0.5)
+    _no_children()

@@ -19,7 +19,8 @@ import threading
 import time
 import traceback
 
-from . import _check, _rank, _wire
+from .. import _beat
+from . import _check, _wire
 
 EXIT_LIFELINE = 70  # the kernel's end of the lifeline closed: it died or gave up on this rank
 
@@ -129,6 +130,8 @@ def main(argv: list[str]) -> None:
 
         if header["distributed"]:
             _initialize(header["distributed"])
+            # JAX's preemption notifier takes SIGTERM over; here it means what mg.launch means by it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from .._devices import short_name
 
         devices = [short_name(d) for d in jax.local_devices()]
@@ -139,7 +142,7 @@ def main(argv: list[str]) -> None:
         channel.send(("error", {**_describe(exc), "during": "start"}))
         _finish(1)
     channel.send(("ready", {"devices": devices, "seconds": time.perf_counter() - t0}))
-    _rank.attach(channel)
+    _beat.attach(channel)
     code = 0
     try:
         value = fn(rank, shared, private)

@@ -246,6 +246,8 @@ class _Group:
         facts = self._cause(r, code)
         info.reason = facts["reason"]
         self._record(r, "failed", 0, info.seconds)
+        if self.root is r:
+            return
         if self.root is not None:
             info.state = "aborted"
             info.reason = f"aborted after rank {self.root.rank} died (it {facts['reason']})"

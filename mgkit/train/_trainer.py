@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from .. import _progress
+from .._beat import beat
 from .._ledger import Layout, ledger
 from .._numbers import whole
 from .._prefetch import Prefetch
@@ -624,6 +625,7 @@ class Trainer:
             self._step_layout(rows, run.total), time.time() - seconds, seconds, run.label, facts
         )
         run.iteration, run.loss = step, loss
+        beat(step)
         bar.tick()
         if not ok and self.on_nan == "raise":
             raise FloatingPointError(

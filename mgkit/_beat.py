@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .._numbers import whole
+from ._numbers import whole
 
 SEND_EVERY = 0.05  # seconds between two heartbeat messages of a rank
 
