@@ -1,5 +1,5 @@
 """The ``mgkit`` command: ``mgkit tour`` (runs the tour notebook, prints its report, writes HTML and
-PNG files) and ``mgkit devices``."""
+PNG files), ``mgkit devices``, and ``mgkit worker`` / ``mgkit run`` (``launching._worker``)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_dev = sub.add_parser("devices", help="list the devices JAX can see")
     p_dev.add_argument("--simulate", type=_positive_int, help="simulated CPU devices")
     p_dev.set_defaults(func=devices_cmd)
+
+    from .launching._worker import add_commands
+
+    add_commands(sub, _positive_int)
     return parser
 
 
