@@ -94,7 +94,7 @@ def test_bad_arguments_exit_2(tmp_path, args, message):
 
 def test_no_command_prints_help_and_exits_2(capsys):
     assert _cli.main([]) == 2
-    assert "{tour,devices}" in capsys.readouterr().out
+    assert "{tour,devices,worker,run}" in capsys.readouterr().out
 
 
 def test_version(capsys):
