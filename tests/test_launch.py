@@ -367,8 +367,26 @@ def test_distributed_faults_end_in_a_launch_error(rank, how, words):
     assert latency < heartbeat + 2, latency
     assert str(err).startswith(words) and err.rank == rank
     other = err.ranks[1 - rank]
-    assert other.state in ("terminated", "aborted"), other
-    if other.state == "aborted":
-        assert f"aborted after rank {rank} died" in other.reason
+    if how == "stop":  # JAX aborts the survivor, which names the stopped rank
+        assert other.state == "aborted" and f"aborted after rank {rank} died" in other.reason, other
+        assert "stopped answering jax.distributed's heartbeats" in str(err)
+    else:  # the supervisor sees the death first and stops the survivor
+        assert other.state in ("terminated", "aborted"), other
     _gone([r.pid for r in err.ranks], within=0.5)
+    _no_children()
+
+
+def test_distributed_silence_past_the_collectives_timeout_stops_the_group():
+    def work(rank, shared, private):
+        import time
+
+        time.sleep(60)  # no beat, as in a collective that never completes
+
+    t0 = time.perf_counter()
+    with pytest.raises(
+        mg.LaunchError, match=r"no heartbeat for 2\.\d s \(limit 2\.0 s; no step yet\)"
+    ) as info:
+        mg.launch(work, nprocs=2, distributed=True, timeouts={"collectives": 2}, stream=False)
+    assert info.value.kind == "stalled" and "in work" in info.value.stacks[info.value.rank]
+    assert time.perf_counter() - t0 < 2 + 6  # start-up, the limit, the stacks
     _no_children()

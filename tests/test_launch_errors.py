@@ -152,7 +152,8 @@ CASES = [
         "unknown timeout",
         lambda: mg.launch(work, nprocs=2, distributed=True, timeouts={"hartbeat": 3}),
         ValueError,
-        r"unknown timeout\(s\) \['hartbeat'\]; the timeouts are \['heartbeat', 'init', 'shutdown'\]",
+        r"unknown timeout\(s\) \['hartbeat'\]; the timeouts are "
+        r"\['collectives', 'heartbeat', 'init', 'shutdown'\]",
     ),
     ("timeout 0", lambda: mg.launch(work, nprocs=1, timeout=0), ValueError, r"timeout must be above 0"),
     ("timeout negative", lambda: mg.launch(work, nprocs=1, timeout=-5), ValueError, "timeout"),

@@ -89,7 +89,7 @@ class _FakeRank:
 def test_the_learned_stall_limit(beats, slowest, first_step, silent, stalled, monkeypatch):
     found = []
     group = object.__new__(_launch._Group)
-    group.plan = type("Plan", (), {"stall_after": None})()
+    group.plan = type("Plan", (), {"stall_after": None, "distributed": None})()
     group.ranks = [_FakeRank(beats, slowest, first_step, silent)]
     monkeypatch.setattr(group, "_stalled", lambda r, silent, limit: found.append(limit), raising=False)
     group._watch(1000.0)

@@ -319,16 +319,21 @@ class _Group:
         return None
 
     def _watch(self, now: float) -> None:
-        """The watchdog: a running rank silent longer than its limit has stalled."""
+        """The watchdog: a running rank silent longer than its limit has stalled. The limit is
+        ``stall_after``, else learned from the rank's steps (none before its first step, which
+        compiles); in a distributed launch it is never above the collectives' timeout."""
+        ceiling = None if self.plan.distributed is None else self.plan.distributed["collectives"]
         for r in self.ranks:
             if r.exited or r.ready_at is None or r.stalled:
                 continue
             limit = self.plan.stall_after
-            if limit is None:
-                if r.beats == 0:
-                    continue  # before its first step (compilation): nothing to learn from yet
+            if limit is None and r.beats:
                 seen = r.slowest if r.beats >= 2 and r.slowest > 0 else (r.first_step or 0.0)
                 limit = max(STALL_FLOOR, STALL_FACTOR * seen)
+            if ceiling is not None and (limit is None or ceiling < limit):
+                limit = ceiling
+            if limit is None:
+                continue
             silent = now - (r.last_beat or r.ready_at)
             if silent > limit:
                 self._stalled(r, silent, limit)

@@ -17,7 +17,10 @@ import jax
 from .._numbers import real, whole
 from . import _check
 
-TIMEOUTS = {"heartbeat": 10, "init": 60, "shutdown": 10}  # jax.distributed's, in seconds
+# jax.distributed's heartbeat, initialisation and shutdown timeouts (JAX's: 100, 300, 300 s), and
+# how long a rank of a distributed launch may be silent (no mg.beat) before the watchdog stops the
+# group: the collectives' timeout, which JAX does not let one set for gloo (its own is 30 min).
+TIMEOUTS = {"heartbeat": 10, "init": 60, "shutdown": 10, "collectives": 300}  # seconds
 _OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "MGKIT_RANK", "MGKIT_NPROCS")
 
 
