@@ -62,6 +62,7 @@ __all__ = [
     "History",
     "LaunchError",
     "LaunchResult",
+    "LaunchView",
     "Ledger",
     "Parallel",
     "Prefetch",
@@ -101,6 +102,7 @@ __all__ = [
 _LAZY = {
     "Dashboard": "._widgets",
     "DeviceMap": "._widgets",
+    "LaunchView": "._widgets",
     "ThroughputView": "._widgets",
     "TransferView": "._widgets",
 }

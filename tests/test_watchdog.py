@@ -76,21 +76,25 @@ class _FakeRank:
 
 
 @pytest.mark.parametrize(
-    ("beats", "slowest", "first_step", "silent", "stalled"),
+    ("beats", "slowest", "first_step", "silent", "stalled", "collectives"),
     [
-        (0, 0.0, None, 500.0, False),  # before the first step (compiling): never judged
-        (1, 0.0, 1.0, 9.0, False),  # floor: 10 s
-        (1, 0.0, 1.0, 11.0, True),
-        (1, 0.0, 30.0, 100.0, False),  # one step seen (with its compile): 5 x 30 s
-        (5, 4.0, 30.0, 19.0, False),  # from the second step on: 5 x the slowest (4 s)
-        (5, 4.0, 30.0, 21.0, True),
+        (0, 0.0, None, 500.0, False, None),  # before the first step (compiling): not judged
+        (0, 0.0, None, 24.0, False, 20),  # ... unless distributed: the collectives' timeout + 5 s
+        (0, 0.0, None, 26.0, True, 20),
+        (5, 4.0, 30.0, 21.0, True, 300),  # the learned limit when it is lower
+        (1, 0.0, 1.0, 9.0, False, None),  # floor: 10 s
+        (1, 0.0, 1.0, 11.0, True, None),
+        (1, 0.0, 30.0, 100.0, False, None),  # one step seen (with its compile): 5 x 30 s
+        (5, 4.0, 30.0, 19.0, False, None),  # from the second step on: 5 x the slowest (4 s)
+        (5, 4.0, 30.0, 21.0, True, None),
     ],
 )
-def test_the_learned_stall_limit(beats, slowest, first_step, silent, stalled, monkeypatch):
+def test_the_learned_stall_limit(beats, slowest, first_step, silent, stalled, collectives, monkeypatch):
     found = []
     group = object.__new__(_launch._Group)
-    group.plan = type("Plan", (), {"stall_after": None, "distributed": None})()
+    config = None if collectives is None else {"collectives": collectives}
+    group.plan = type("Plan", (), {"stall_after": None, "distributed": config})()
     group.ranks = [_FakeRank(beats, slowest, first_step, silent)]
-    monkeypatch.setattr(group, "_stalled", lambda r, silent, limit: found.append(limit), raising=False)
+    monkeypatch.setattr(group, "_stalled", found.extend, raising=False)
     group._watch(1000.0)
     assert bool(found) == stalled

@@ -35,8 +35,10 @@ STACK_WAIT = 0.5  # seconds the ranks get to write their stacks
 DRAIN_WAIT = 0.5  # seconds an exited rank's pipes get to deliver its last words
 STALL_FLOOR = 10.0  # a learned stall limit is never below this many seconds
 STALL_FACTOR = 5.0  # ... and otherwise this many times the slowest step seen
+COLLECTIVES_MARGIN = 5.0  # seconds past the collectives' timeout before the watchdog steps in
 _UNHEALTHY = re.compile(r"tasks are unhealthy \(stopped sending heartbeats\):\s*([\d,\s]+)")
 _JAX_ABORT = "JAX distributed service detected fatal errors"
+_GLOO_TIMEOUT = re.compile(r"Gloo .* failed.*Timed out|collective.*timed out", re.IGNORECASE)
 _SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer, or a kill -9",
     "SIGABRT": "a fatal error in native code (XLA, JAX); the output above says which",
@@ -166,6 +168,7 @@ class _Group:
                 if not r.exited and r.popen.poll() is not None:
                     self._exited(r)
             if self.root is not None:
+                self._collective_timed_out()
                 self._stop_all(f"terminated after rank {self.root.rank} failed")
                 raise self._error()
             if all(r.exited for r in self.ranks):
@@ -241,7 +244,7 @@ class _Group:
             info.state = "done"
             self._record(r, "done", len(r.result), info.seconds)
             return
-        if info.state == "terminated":
+        if info.state == "terminated" or (info.state == "stalled" and r is not self.root):
             return
         facts = self._cause(r, code)
         info.reason = facts["reason"]
@@ -271,6 +274,19 @@ class _Group:
         info.state = "failed"
         self.root = r
         self.failure = facts
+
+    def _collective_timed_out(self) -> None:
+        """A rank whose collective timed out is rarely the culprit: the others' stacks show
+        which one did not join it."""
+        facts = self.failure or {}
+        if facts.get("kind") != "raised" or not _GLOO_TIMEOUT.search(facts.get("reason", "")):
+            return
+        limit = "" if self.plan.distributed is None else f" ({self.plan.distributed['collectives']} s)"
+        facts["reason"] += (
+            f"\n(a collective timed out{limit}, timeouts['collectives']: a rank did not join it; "
+            "the stacks below show where each rank was)"
+        )
+        facts["stacks"] = self._stacks([x for x in self.ranks if not x.exited])
 
     def _cause(self, r: _Rank, code: int) -> dict:
         if r.error is not None:
@@ -321,8 +337,11 @@ class _Group:
     def _watch(self, now: float) -> None:
         """The watchdog: a running rank silent longer than its limit has stalled. The limit is
         ``stall_after``, else learned from the rank's steps (none before its first step, which
-        compiles); in a distributed launch it is never above the collectives' timeout."""
-        ceiling = None if self.plan.distributed is None else self.plan.distributed["collectives"]
+        compiles); in a distributed launch it is never above the collectives' timeout (plus a margin:
+        XLA's own error for a collective that timed out says more, and comes first)."""
+        config = self.plan.distributed
+        ceiling = None if config is None else config["collectives"] + COLLECTIVES_MARGIN
+        silent_ranks = []
         for r in self.ranks:
             if r.exited or r.ready_at is None or r.stalled:
                 continue
@@ -336,26 +355,36 @@ class _Group:
                 continue
             silent = now - (r.last_beat or r.ready_at)
             if silent > limit:
-                self._stalled(r, silent, limit)
+                silent_ranks.append((r, silent, limit))
+        if silent_ranks:
+            self._stalled(silent_ranks)
 
-    def _stalled(self, r: _Rank, silent: float, limit: float) -> None:
-        r.stalled = True
-        r.info.state = "stalled"
-        last = "no step yet" if r.info.step is None else f"last completed step {r.info.step}"
-        reason = f"stalled: no heartbeat for {silent:.1f} s (limit {limit:.1f} s; {last})"
+    def _stalled(self, silent_ranks: list[tuple[_Rank, float, float]]) -> None:
+        """Reports ranks silent past their limit, with every live rank's stack. Several at once
+        (a collective that never completes silences them all): the one silent longest, or with
+        the fewest steps done, is named first."""
         stacks = self._stacks([x for x in self.ranks if not x.exited])
-        self._record(r, "stalled", 0, silent)
+        reasons = {}
+        for r, silent, limit in silent_ranks:
+            r.stalled = True
+            r.info.state = "stalled"
+            last = "no step yet" if r.info.step is None else f"last completed step {r.info.step}"
+            reasons[r] = f"stalled: no heartbeat for {silent:.1f} s (limit {limit:.1f} s; {last})"
+            self._record(r, "stalled", 0, silent)
         if self.plan.on_stall == "warn":
-            print(
-                f"mg.launch: rank {r.rank} (pid {r.info.pid}) {reason}\n{_steps(self.ranks)}\n"
-                + _stack_text(stacks),
-                file=sys.stderr,
-                flush=True,
-            )
+            for r in reasons:
+                print(
+                    f"mg.launch: rank {r.rank} (pid {r.info.pid}) {reasons[r]}", file=sys.stderr, flush=True
+                )
+            print(f"{_steps(self.ranks)}\n{_stack_text(stacks)}", file=sys.stderr, flush=True)
             return
-        r.info.reason = reason
-        self.root = r
-        self.failure = {"kind": "stalled", "reason": reason, "stacks": stacks}
+        first = min(silent_ranks, key=lambda t: (t[0].info.step or 0, -t[1], t[0].rank))[0]
+        for r, reason in reasons.items():
+            r.info.reason = reason
+        others = [f"rank {r.rank}" for r in reasons if r is not first]
+        also = f"\n(also silent: {', '.join(others)})" if others else ""
+        self.root = first
+        self.failure = {"kind": "stalled", "reason": reasons[first] + also, "stacks": stacks}
 
     def _timeout(self) -> None:
         stacks = self._stacks([x for x in self.ranks if not x.exited])
@@ -550,7 +579,8 @@ def _load_exception(blob: bytes | None) -> BaseException | None:
 
 def current() -> tuple[str, tuple[RankInfo, ...]] | None:
     """The running launch's title and ranks (None when none runs), for the live views."""
-    return _current[-1].snapshot() if _current else None
+    running = _current[-1:]  # one read: a launch may end meanwhile
+    return running[0].snapshot() if running else None
 
 
 def launch(

@@ -8,12 +8,14 @@ import os
 import pickle
 import re
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
+from .._devices import backend_started
 from .._numbers import real, whole
 from . import _check
 
@@ -42,17 +44,42 @@ class _Plan:
 
 
 def _pool() -> tuple[str, list[str]]:
-    """The devices ranks can own: the kernel's GPUs (by CUDA id), else CPU devices (simulated:
-    as many as the kernel has or the machine has cores, whichever is more)."""
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    """The devices ranks can own: the machine's GPUs (by CUDA id), else CPU devices (simulated:
+    as many as the kernel has or the machine has cores, whichever is more). GPUs are counted
+    without starting JAX in the kernel when it has not started yet (starting it would take
+    most of every GPU's memory away from the ranks)."""
+    gpus = _gpu_ids()
     if gpus:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-        ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else []
-        if len(ids) < len(gpus):
-            ids = [str(i) for i in range(len(gpus))]
-        return "gpu", ids[: len(gpus)]
-    n = max(len(jax.devices("cpu")), os.cpu_count() or 1)
+        return "gpu", gpus
+    n = max(len(jax.devices("cpu")) if backend_started() else 1, os.cpu_count() or 1)
     return "cpu", [f"cpu{i}" for i in range(n)]
+
+
+def _gpu_ids() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
+    if backend_started():
+        count = sum(1 for d in jax.devices() if d.platform == "gpu")
+    else:
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        if platforms and not any(p in platforms for p in ("cuda", "gpu", "rocm")):
+            return []
+        count = _nvidia_smi_count()
+        if listed is not None:
+            count = min(count, len(listed))
+    if not count:
+        return []
+    if listed is not None and len(listed) >= count:
+        return listed[:count]
+    return [str(i) for i in range(count)]
+
+
+def _nvidia_smi_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
 
 
 def _counts(nprocs: Any, private: Any, devices_per_process: Any) -> tuple[str, list[list[str]], int]:
@@ -103,24 +130,30 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _env(extra: Any, platform: str, group: list[str], rank: int, nprocs: int) -> dict[str, str]:
+def _env(
+    extra: Any, platform: str, group: list[str], rank: int, config: dict | None, n: int
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    env["MGKIT_RANK"], env["MGKIT_NPROCS"] = str(rank), str(nprocs)
+    env["MGKIT_RANK"], env["MGKIT_NPROCS"] = str(rank), str(n)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
+    if config is not None and not any(f.startswith("--xla_cpu_collective_timeout_seconds") for f in flags):
+        flags.append(f"--xla_cpu_collective_timeout_seconds={config['collectives']}")
     if platform == "gpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(group)
         env.pop("MGKIT_SIMULATE", None)
+        # a rank takes its GPU's memory as it needs it: the kernel's own JAX may hold part of it
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     else:
         env["JAX_PLATFORMS"] = "cpu"
         env["JAX_NUM_CPU_DEVICES"] = env["MGKIT_SIMULATE"] = str(len(group))
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
-        if flags:
-            env["XLA_FLAGS"] = flags
-        else:
-            env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
     return env
 
 
@@ -277,5 +310,5 @@ def plan(
             "distributed": None if config is None else {**config, "process_id": r},
         }
         frames.append([pickle.dumps(header), fn_bytes, shared_bytes, private_bytes[r]])
-        envs.append(_env(extra, platform, groups[r], r, nprocs))
+        envs.append(_env(extra, platform, groups[r], r, config, nprocs))
     return _Plan(nprocs, platform, groups, envs, frames, config, timeout, grace, stall_after, on_stall)
