@@ -102,10 +102,13 @@ def test_a_rank_raises_others_stop_values_kept():
     [
         ("os._exit(3)", "exited", "exited with code 3 without returning a value"),
         ("os.kill(os.getpid(), 9)", "signal", "killed by signal SIGKILL (9)"),
+        ("os.kill(os.getpid(), 15)", "signal", "killed by signal SIGTERM (15)"),
+        ("sys.exit(123)", "exited", "called sys.exit(123)"),
     ],
+    ids=["exit code", "SIGKILL", "external SIGTERM", "sys.exit"],
 )
 def test_exit_code_and_signal_detected_fast(how, kind, words):
-    code = f"import os, time\nprint('dying', time.time(), flush=True)\n{how}\n"
+    code = f"import os, sys, time\nprint('dying', time.time(), flush=True)\n{how}\n"
 
     def work(rank, shared, private):
         exec(shared)
@@ -116,6 +119,24 @@ def test_exit_code_and_signal_detected_fast(how, kind, words):
     latency = time.time() - _marks(err.ranks[0].tail, "dying")[0]
     assert latency < 0.5 + 0.2, latency  # 0.5 s to notice, plus the output's trip through the pipe
     assert err.kind == kind and words in str(err)
+    _no_children()
+
+
+def test_every_rank_raises_the_first_is_the_cause_the_others_failed_too():
+    def work(rank, shared, private):
+        import time
+
+        time.sleep(0.5 * rank)
+        raise RuntimeError(f"rank {rank} gives up")
+
+    with pytest.raises(
+        mg.LaunchError, match=r"^rank 0 \(pid \d+\) raised RuntimeError: rank 0 gives up"
+    ) as info:
+        mg.launch(work, nprocs=2, grace=2.0, stream=False)
+    second = info.value.ranks[1]
+    assert second.state in ("failed", "terminated"), second
+    if second.state == "failed":
+        assert "failed too, after rank 0: it raised RuntimeError: rank 1 gives up" in second.reason
     _no_children()
 
 

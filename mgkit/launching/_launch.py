@@ -252,8 +252,12 @@ class _Group:
         if self.root is r:
             return
         if self.root is not None:
-            info.state = "aborted"
-            info.reason = f"aborted after rank {self.root.rank} died (it {facts['reason']})"
+            if r.error is not None or r.unsendable is not None:  # a failure of its own
+                info.state = "failed"
+                info.reason = f"failed too, after rank {self.root.rank}: it {facts['reason']}"
+            else:
+                info.state = "aborted"
+                info.reason = f"aborted after rank {self.root.rank} died (it {facts['reason']})"
             return
         blamed = self._blamed_by_jax(r)
         if blamed is not None:
@@ -292,9 +296,14 @@ class _Group:
         if r.error is not None:
             e = r.error
             during = " while starting" if e.get("during") == "start" else ""
+            said = f"called sys.exit({e['message']})" if e["type"] == "SystemExit" else "raised"
             return {
                 "kind": "exited" if e["type"] == "SystemExit" else "raised",
-                "reason": f"raised {e['type']}: {e['message']}{during}",
+                "reason": (
+                    f"{said}{during}"
+                    if e["type"] == "SystemExit"
+                    else f"raised {e['type']}: {e['message']}{during}"
+                ),
                 "exception_type": e["type"],
                 "traceback": _check.restore_files(e["traceback"], self.fn),
                 "exception": _load_exception(e.get("exception")),
