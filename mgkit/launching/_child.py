@@ -123,6 +123,7 @@ def main(argv: list[str]) -> None:
     stacks = open(header["stacks"], "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr)
+    channel.send(("started", None))  # from now on SIGUSR1 writes the stacks, nothing worse
     t0 = time.perf_counter()
     try:
         import cloudpickle

@@ -33,11 +33,16 @@ from ._result import LaunchError, LaunchResult, RankInfo
 POLL = 0.02  # seconds between two looks at the ranks' exits
 STACK_WAIT = 0.5  # seconds the ranks get to write their stacks
 DRAIN_WAIT = 0.5  # seconds an exited rank's pipes get to deliver its last words
+PEER_WAIT = 0.3  # seconds a rank that reports a lost peer waits for that peer's death to show
 STALL_FLOOR = 10.0  # a learned stall limit is never below this many seconds
 STALL_FACTOR = 5.0  # ... and otherwise this many times the slowest step seen
 COLLECTIVES_MARGIN = 5.0  # seconds past the collectives' timeout before the watchdog steps in
 _UNHEALTHY = re.compile(r"tasks are unhealthy \(stopped sending heartbeats\):\s*([\d,\s]+)")
 _JAX_ABORT = "JAX distributed service detected fatal errors"
+_PEER_GONE = re.compile(
+    r"coordination service|Connection (reset|closed)|closed by peer|Socket closed|UNAVAILABLE|heartbeat",
+    re.IGNORECASE,
+)
 _GLOO_TIMEOUT = re.compile(r"Gloo .* failed.*Timed out|collective.*timed out", re.IGNORECASE)
 _SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer, or a kill -9",
@@ -59,6 +64,7 @@ class _Rank:
         self.lifeline: int | None = None  # the kernel's end of the pipe into the rank
         self.info: RankInfo | None = None
         self.spawned = 0.0  # perf_counter() at start
+        self.started = False  # its stack handler is in place
         self.ready_at: float | None = None
         self.last_beat: float | None = None  # perf_counter() of the last heartbeat message
         self.beats = 0
@@ -205,7 +211,9 @@ class _Group:
 
     def _message(self, r: _Rank, message: tuple) -> None:
         what, info, now = message[0], r.info, time.perf_counter()
-        if what == "ready":
+        if what == "started":
+            r.started = True
+        elif what == "ready":
             r.ready_at = now
             info.devices = tuple(message[1]["devices"])
             info.ready_seconds = now - r.spawned
@@ -251,8 +259,13 @@ class _Group:
         self._record(r, "failed", 0, info.seconds)
         if self.root is r:
             return
+        if self.root is None and self._peer_failure(r, facts):
+            culprit = self._dead_peer(r)
+            if culprit is not None:
+                self._exited(culprit)  # the peer whose death this rank's error reports: the cause
         if self.root is not None:
-            if r.error is not None or r.unsendable is not None:  # a failure of its own
+            own = (r.error is not None and not self._peer_failure(r, facts)) or r.unsendable is not None
+            if own:  # a failure of its own
                 info.state = "failed"
                 info.reason = f"failed too, after rank {self.root.rank}: it {facts['reason']}"
             else:
@@ -278,6 +291,28 @@ class _Group:
         info.state = "failed"
         self.root = r
         self.failure = facts
+
+    def _peer_failure(self, r: _Rank, facts: dict) -> bool:
+        """Whether a distributed rank's error reports a peer that went away (the coordinator
+        or a collective's partner), rather than a failure of its own."""
+        if self.plan.distributed is None or r.error is None:
+            return False
+        return bool(_PEER_GONE.search(facts.get("reason", "") + facts.get("traceback", "")))
+
+    def _dead_peer(self, r: _Rank) -> _Rank | None:
+        """Another rank that died without an error of its own within ``PEER_WAIT`` s (a dead
+        peer's process can take a moment to be seen exiting)."""
+        deadline = time.perf_counter() + PEER_WAIT
+        while True:
+            for x in self.ranks:
+                if x is not r and not x.exited and x.popen.poll() is not None:
+                    x.messages_done.wait(DRAIN_WAIT)
+                    self._drain(0)
+                    if x.result is None and x.error is None:
+                        return x
+            if time.perf_counter() > deadline:
+                return None
+            time.sleep(POLL / 2)
 
     def _collective_timed_out(self) -> None:
         """A rank whose collective timed out is rarely the culprit: the others' stacks show
@@ -409,9 +444,14 @@ class _Group:
         )
 
     def _stacks(self, ranks: list[_Rank]) -> dict[int, str]:
-        """Each rank's Python stacks, written by faulthandler on SIGUSR1 (no debugger needed)."""
-        asked = []
+        """Each rank's Python stacks, written by faulthandler on SIGUSR1 (no debugger needed).
+        A rank whose interpreter is still starting has no handler yet (SIGUSR1 would end it):
+        it is not asked."""
+        asked, stacks = [], {}
         for r in ranks:
+            if not r.started:
+                stacks[r.rank] = "(still starting its interpreter)"
+                continue
             path = os.path.join(self.stacks_dir, f"rank{r.rank}.txt")
             with contextlib.suppress(OSError):
                 size = os.path.getsize(path)
@@ -419,7 +459,6 @@ class _Group:
                 asked.append((r, path, size))
         time.sleep(STACK_WAIT / 2)
         deadline = time.perf_counter() + STACK_WAIT / 2
-        stacks = {}
         for r, path, size in asked:
             text = ""
             while True:
