@@ -212,15 +212,16 @@ def test_interrupt_stops_all_within_grace_then_relaunch_works():
                 break
             time.sleep(0.05)
         time.sleep(0.3)
+        pressed.append(time.perf_counter())
         _thread.interrupt_main()
 
+    pressed = []
     threading.Thread(target=interrupt, daemon=True).start()
-    t0 = time.perf_counter()
     with pytest.raises(KeyboardInterrupt):
         mg.launch(work, nprocs=2, grace=1.0, stream=False)
-    assert pids
+    assert pids and pressed
     _gone(pids, within=1.0 + 5.0)
-    assert time.perf_counter() - t0 < 30
+    assert time.perf_counter() - pressed[0] < 1.0 + 5.0  # control back, every rank gone
     _no_children()
     assert mg.launch(lambda rank, shared, private: rank + 1, nprocs=2, stream=False).values == [1, 2]
 
