@@ -6,6 +6,7 @@ to let JAX see the accelerators as well (tests that assume a CPU-only machine th
 """
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,12 @@ os.environ["MGKIT_SIMULATE"] = "8"
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# A test run started in the background by a non-interactive shell (`cmd &`, nohup, some CI
+# runners) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C
+# would do nothing here and in the processes the tests start. The Ctrl-C tests need the handler
+# (a handler set here is not inherited across exec: children start with SIGINT's default).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest  # noqa: E402
 
