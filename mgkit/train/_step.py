@@ -59,9 +59,10 @@ def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
     return grad
 
 
-def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads) -> tuple:
-    """The optax update where the loss and every gradient are finite, else the state as it was:
-    (params, opt_state, ok). One branch runs (``lax.cond`` on a replicated flag).
+def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads, alive=None) -> tuple:
+    """The optax update where the loss and every gradient are finite (and ``alive``, when
+    given, is True), else the state as it was: (params, opt_state, ok). One branch runs
+    (``lax.cond`` on a replicated flag).
 
     The flag is whether the loss plus the sum of every gradient is finite: a NaN or an infinity
     anywhere makes that sum so, and one fused sum per leaf costs a fraction of an elementwise
@@ -72,6 +73,8 @@ def update(optimizer: optax.GradientTransformation, params, opt_state, loss, gra
     for g in jax.tree_util.tree_leaves(grads):
         total = total + jnp.sum(g, dtype=jnp.result_type(g.dtype, jnp.float32))
     ok = jnp.isfinite(total)
+    if alive is not None:
+        ok = jnp.logical_and(ok, alive)
 
     def apply(params, opt_state, grads):
         updates, new_state = optimizer.update(grads, opt_state, params)
@@ -85,15 +88,24 @@ def update(optimizer: optax.GradientTransformation, params, opt_state, loss, gra
 
 
 def spmd_step(
-    loss_fn: Callable, optimizer: optax.GradientTransformation, has_aux: bool, devices: tuple
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    has_aux: bool,
+    devices: tuple,
+    gated: bool = False,
 ) -> Callable:
     """The jitted step over ``devices``: (params, opt_state, even, rest, key) -> StepOut, with
     ``even`` split over the devices and ``rest`` (the last rows, fewer than the devices, or
     None) on every one; ``key`` a PRNG key for ``loss_fn`` or None. Parameters and optimizer
-    state are donated."""
+    state are donated.
+
+    ``gated``: the step takes one more argument, ``alive`` (a bool array), and applies its
+    update only where it is True: the ``ok`` of one step is the ``alive`` of the next, so a
+    model whose step k was not finite keeps its state through steps dispatched before the
+    caller read step k's result."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
 
-    def step(params, opt_state, even, rest, key):
+    def step(params, opt_state, even, rest, key, alive=None):
         def mean_loss(p):
             out = call_loss(loss_fn, p, even, key)
             loss, aux = out if has_aux else (out, None)
@@ -106,12 +118,12 @@ def spmd_step(
             return (n_even * loss + n_rest * loss_rest) / (n_even + n_rest), aux
 
         (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-        params, opt_state, ok = update(optimizer, params, opt_state, loss, grads)
+        params, opt_state, ok = update(optimizer, params, opt_state, loss, grads, alive)
         return StepOut(params, opt_state, loss, ok, aux)
 
     return jax.jit(
         step,
-        in_shardings=(rep, rep, split, rep, rep),
+        in_shardings=(rep, rep, split, rep, rep, rep) if gated else (rep, rep, split, rep, rep),
         out_shardings=StepOut(rep, rep, rep, rep, rep),
         donate_argnums=(0, 1),
     )

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from .. import _progress
@@ -19,10 +16,11 @@ from .._ledger import Layout, ledger
 from .._numbers import whole
 from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
-from .._transfer import leaves_of
 from . import _data
 from ._checkpoint import Checkpoints
+from ._checks import check_key, check_params, check_scalar_loss
 from ._history import History
+from ._loop import Bar, Interrupts
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
@@ -30,68 +28,6 @@ _WHERE = "Trainer"
 
 class DataRanOut(UserWarning):
     """An iterable of batches ended before the steps asked for."""
-
-
-class _Interrupts:
-    """Ctrl-C (the notebook's Stop button) during a fit: noted, so the loop stops at the next
-    step boundary with the state of the last completed step, never between a step's dispatch
-    and its result being kept (the step donates the old parameters). Off the main thread,
-    where no handler can be set, Ctrl-C is left to Python."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old: Any = None
-
-    def _note(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._note)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None
-
-
-def _check_params(params: Any) -> None:
-    leaves, _ = leaves_of(params, _WHERE)
-    if not leaves:
-        raise ValueError(
-            f"{_WHERE}: params has no arrays; give the model's parameters (a pytree of float arrays)"
-        )
-    for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
-        name = jax.tree_util.keystr(path) or "(the params themselves)"
-        if not isinstance(leaf, np.ndarray | jax.Array):
-            raise TypeError(
-                f"{_WHERE}: params leaf {name} is a {type(leaf).__name__} ({leaf!r}), not an array; "
-                f"make every parameter an array, e.g. jnp.asarray({leaf!r}, jnp.float32)"
-            )
-        if not np.issubdtype(leaf.dtype, np.inexact):
-            raise TypeError(
-                f"{_WHERE}: params leaf {name} has dtype {leaf.dtype}; parameters are trained by "
-                f"gradients, so they must be floating point (e.g. .astype(jnp.float32)); keep "
-                "integer constants out of params (close over them in loss_fn)"
-            )
-
-
-def _check_key(key: Any) -> Any:
-    if key is None:
-        return None
-    if (
-        isinstance(key, jax.Array)
-        and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-        and key.shape == ()
-    ):
-        return key
-    if isinstance(key, np.ndarray | jax.Array) and key.shape == (2,) and key.dtype == np.uint32:
-        return jax.random.wrap_key_data(key)
-    raise TypeError(
-        f"{_WHERE}: key must be a PRNG key, e.g. key=jax.random.key(0) (or None: loss_fn takes no key); "
-        f"got {type(key).__name__} {key!r:.80}"
-    )
 
 
 class Trainer:
@@ -171,12 +107,12 @@ class Trainer:
             )
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
-        _check_params(params)
+        check_params(params, _WHERE)
         self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
         self.on_nan, self.balance = on_nan, balance
         self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
         self.prefetch = whole(prefetch, "prefetch", _WHERE, lo=0, example=2, note="batches placed ahead")
-        self._key = _check_key(key)
+        self._key = check_key(key, _WHERE)
         self.targets: Targets = resolve(contexts, _WHERE)
         self.spmd = self.targets.spmd
         devices = self.targets.devices
@@ -298,29 +234,7 @@ class Trainer:
             out = jax.eval_shape(self.loss_fn, self._params, batch, *extra)
         except Exception as e:
             raise type(e)(f"Trainer: loss_fn(params, batch) failed on the first batch: {e}") from e
-        if self.has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(
-                    f"Trainer: has_aux=True, but loss_fn returned {type(out).__name__} {out!r:.120}; return "
-                    "(loss, aux), or leave has_aux out"
-                )
-            out = out[0]
-        shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
-        if shape != ():
-            hint = (
-                ""
-                if self.has_aux or not isinstance(out, tuple)
-                else " (a tuple: (loss, aux)? pass has_aux=True)"
-            )
-            raise TypeError(
-                f"Trainer: loss_fn must return a scalar, the mean loss over the batch's rows; it returned "
-                f"shape {shape} dtype {dtype}{hint}; reduce it, e.g. return losses.mean()"
-            )
-        if not np.issubdtype(dtype, np.floating):
-            raise TypeError(
-                f"Trainer: loss_fn returned a {dtype} scalar; the loss must be floating point to be "
-                "differentiated (e.g. return loss.astype(jnp.float32))"
-            )
+        check_scalar_loss(out, self.has_aux, "Trainer")
         self._checked.add(structure)
 
     # -- fitting -----------------------------------------------------------------------------
@@ -390,18 +304,18 @@ class Trainer:
             return history
         shorts = [c.short for c in self.targets.contexts]
         run = _progress.Run(where, self.contexts, shorts, (0,) * k, (1,) * k, total)
-        bar = _Bar(run, progress)
+        bar = Bar(run.what, run.total, progress, run.start)
         feed = self._feed(src, total)
         error: BaseException | None = None
         start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
         self._position_after = None
         try:
-            with _Interrupts() as stop:
+            with Interrupts() as stop:
                 self._loop(feed, total, history, run, bar, stop)
         except FloatingPointError as e:
             error = e
         finally:
-            bar.close()
+            bar.close(run.iteration, lambda: f"loss {run.loss:.6g}")
             if isinstance(feed, Prefetch):
                 feed.close()
             if self.checkpoints is not None:
@@ -450,7 +364,7 @@ class Trainer:
         return Prefetch(batches(), place, self.prefetch, where="fit")
 
     def _loop(
-        self, feed: Any, total: int | None, history: History, run: Any, bar: _Bar, stop: _Interrupts
+        self, feed: Any, total: int | None, history: History, run: Any, bar: Bar, stop: Interrupts
     ) -> None:
         """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), reading each loss
         (on CPU devices at once: at most one step in flight; elsewhere one step late). Keeps
@@ -604,7 +518,7 @@ class Trainer:
             speeds.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
         return tuple(speeds)
 
-    def _finish(self, item: tuple, last: float, history: History, run: Any, bar: _Bar) -> float:
+    def _finish(self, item: tuple, last: float, history: History, run: Any, bar: Bar) -> float:
         """Reads a dispatched step's loss (waiting for it), records its step events and history
         entry; raises FloatingPointError for a skipped update under ``on_nan="raise"``."""
         step, out, rows = item
@@ -626,7 +540,7 @@ class Trainer:
         )
         run.iteration, run.loss = step, loss
         beat(step)
-        bar.tick()
+        bar.tick(step, lambda: f"loss {loss:.6g}")
         if not ok and self.on_nan == "raise":
             raise FloatingPointError(
                 f"Trainer.fit: step {step}'s loss is {loss} (or a gradient is not finite): its update was "
@@ -635,35 +549,3 @@ class Trainer:
                 "pass on_nan='skip' to skip such steps"
             )
         return now
-
-
-class _Bar:
-    """The fit's progress bar: after a second of work (``progress`` None), at once (True) or
-    never (False); updated at most ten times a second."""
-
-    def __init__(self, run: Any, progress: bool | None):
-        self.run, self.bar = run, None
-        self.show_at = None if progress is False else run.start + (0.0 if progress else 1.0)
-        self._next = 0.0
-
-    def tick(self) -> None:
-        if self.show_at is None:
-            return
-        now = time.perf_counter()
-        if now < self._next or now < self.show_at:
-            return
-        self._next = now + 0.1
-        if self.bar is None:
-            from tqdm.auto import tqdm  # a widget in notebooks, text elsewhere
-
-            self.bar = tqdm(total=self.run.total, desc=self.run.what, unit="step", leave=True)
-        self.bar.n = self.run.iteration
-        self.bar.set_postfix_str(f"loss {self.run.loss:.6g}", refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.n = self.run.iteration
-            self.bar.set_postfix_str(f"loss {self.run.loss:.6g}", refresh=False)
-            self.bar.close()
-            self.bar = None

@@ -1,0 +1,111 @@
+"""Checks every trainer shares (``Trainer``, ``Ensemble``'s members, ``Pipeline``): the loss
+function, the optimizer, the parameters, the key, and what the loss function returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from .. import _contexts
+from .._errors import ContextError
+from .._transfer import leaves_of
+
+
+def check_loss_fn(loss_fn: Any, where: str, what: str = "loss_fn(params, batch) -> scalar loss") -> Callable:
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{where}: loss_fn must be a function {what}; got {type(loss_fn).__name__} {loss_fn!r:.80}"
+        )
+    return loss_fn
+
+
+def check_optimizer(optimizer: Any, where: str) -> optax.GradientTransformation:
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"{where}: optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3), "
+            f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}"
+        )
+    return optimizer
+
+
+def check_params(params: Any, where: str, what: str = "params") -> None:
+    """Every leaf a floating-point array, at least one."""
+    leaves, _ = leaves_of(params, where)
+    if not leaves:
+        raise ValueError(
+            f"{where}: {what} has no arrays; give the model's parameters (a pytree of float arrays)"
+        )
+    for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
+        name = jax.tree_util.keystr(path) or "(the params themselves)"
+        if not isinstance(leaf, np.ndarray | jax.Array):
+            raise TypeError(
+                f"{where}: {what} leaf {name} is a {type(leaf).__name__} ({leaf!r}), not an array; "
+                f"make every parameter an array, e.g. jnp.asarray({leaf!r}, jnp.float32)"
+            )
+        if not np.issubdtype(leaf.dtype, np.inexact):
+            raise TypeError(
+                f"{where}: {what} leaf {name} has dtype {leaf.dtype}; parameters are trained by "
+                f"gradients, so they must be floating point (e.g. .astype(jnp.float32)); keep "
+                "integer constants out of params (close over them in the function)"
+            )
+
+
+def check_key(key: Any, where: str) -> Any:
+    if key is None:
+        return None
+    if (
+        isinstance(key, jax.Array)
+        and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and key.shape == ()
+    ):
+        return key
+    if isinstance(key, np.ndarray | jax.Array) and key.shape == (2,) and key.dtype == np.uint32:
+        return jax.random.wrap_key_data(key)
+    raise TypeError(
+        f"{where}: key must be a PRNG key, e.g. key=jax.random.key(0) (or None: loss_fn takes no key); "
+        f"got {type(key).__name__} {key!r:.80}"
+    )
+
+
+def check_scalar_loss(out: Any, has_aux: bool, where: str, what: str = "loss_fn") -> None:
+    """What a loss function returned (from ``jax.eval_shape``): a floating-point scalar, or
+    ``(scalar, aux)`` with ``has_aux``."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"{where}: has_aux=True, but {what} returned {type(out).__name__} {out!r:.120}; return "
+                "(loss, aux), or leave has_aux out"
+            )
+        out = out[0]
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != ():
+        hint = "" if has_aux or not isinstance(out, tuple) else " (a tuple: (loss, aux)? pass has_aux=True)"
+        raise TypeError(
+            f"{where}: {what} must return a scalar, the mean loss over the batch's rows; it returned "
+            f"shape {shape} dtype {dtype}{hint}; reduce it, e.g. return losses.mean()"
+        )
+    if not np.issubdtype(dtype, np.floating):
+        raise TypeError(
+            f"{where}: {what} returned a {dtype} scalar; the loss must be floating point to be "
+            "differentiated (e.g. return loss.astype(jnp.float32))"
+        )
+
+
+def device_context(name: Any, where: str, example: str = "dev0") -> _contexts.Context:
+    """A context that computes: a context or device name (or a jax.Device), not host memory."""
+    if not isinstance(name, str | jax.Device):
+        raise TypeError(
+            f"{where}: a context is a name such as {example!r}; got {type(name).__name__} {name!r}"
+        )
+    ctx = _contexts.resolve(name, where)
+    if ctx.device is None:
+        cmap = _contexts.context_map()
+        raise ContextError(
+            f"{where}: {name!r} means host memory, which computes nothing; use a device context such as "
+            f"{list(cmap.names[:2])}"
+        )
+    return ctx
