@@ -143,6 +143,12 @@ class _Recorded(NamedTuple):
         return self.layout.events(self.start, self.seconds, self.label, self.extra)
 
 
+class _Later(NamedTuple):
+    """Events made by ``make()`` once the work they describe is done (``Ledger.record_later``)."""
+
+    make: Callable[[], list[Event]]
+
+
 def _size(entry: Event | _Recorded) -> int:
     return entry.layout.size if type(entry) is _Recorded else 1
 
@@ -436,7 +442,13 @@ class Ledger:
             return
         self._watch_for(_Recorded(layout, start, 0.0, label), layout.size, arrays, t0)
 
-    def _watch_for(self, entry: list[Event] | _Recorded, size: int, arrays: list, t0: float) -> None:
+    def record_later(self, make: Callable[[], list[Event]]) -> None:
+        """Records the events ``make()`` returns, called on the ledger's watcher thread: for
+        events whose times are known only once work on the devices is done (``make`` may wait
+        for it), without making the caller wait. ``flush`` (and so ``records``) waits for them."""
+        self._watch_for(_Later(make), 1, [], 0.0)
+
+    def _watch_for(self, entry: list[Event] | _Recorded | _Later, size: int, arrays: list, t0: float) -> None:
         with self._lock:
             self._inflight += size
             if self._watcher is None or not self._watcher.is_alive():
@@ -452,6 +464,12 @@ class Ledger:
             done, entries, size = [], [], 0
             for entry, n, arrays, t0 in batch:
                 size += n
+                if type(entry) is _Later:
+                    try:
+                        done.extend(entry.make())
+                    except Exception:
+                        log.exception("mgkit ledger: events made after the work could not be made")
+                    continue
                 try:
                     for a in arrays:
                         a.block_until_ready()
