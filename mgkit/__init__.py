@@ -47,7 +47,11 @@ from ._watchdog import watchdog as watchdog
 from .launching import LaunchError as LaunchError
 from .launching import LaunchResult as LaunchResult
 from .launching import launch as launch
+from .train import Ensemble as Ensemble
 from .train import History as History
+from .train import Member as Member
+from .train import MemberError as MemberError
+from .train import Pipeline as Pipeline
 from .train import Trainer as Trainer
 
 __all__ = [
@@ -58,14 +62,19 @@ __all__ = [
     "DeviceMap",
     "DeviceMismatchError",
     "DeviceTable",
+    "Ensemble",
     "Event",
     "History",
     "LaunchError",
     "LaunchResult",
     "LaunchView",
     "Ledger",
+    "Member",
+    "MemberError",
     "Parallel",
+    "Pipeline",
     "Prefetch",
+    "Schedule",
     "StallWarning",
     "ThroughputView",
     "Trainer",
@@ -103,6 +112,7 @@ _LAZY = {
     "Dashboard": "._widgets",
     "DeviceMap": "._widgets",
     "LaunchView": "._widgets",
+    "Schedule": "._schedule",
     "ThroughputView": "._widgets",
     "TransferView": "._widgets",
 }

@@ -46,8 +46,10 @@ from .launching import _launch
 from .launching._result import TAIL, RankInfo
 
 _START = operator.attrgetter("start")
-COMPUTE_KINDS = frozenset({"step", "run"})
+COMPUTE_KINDS = frozenset({"step", "run", "forward", "backward", "update"})
 """Event kinds that are work on a context; every other kind moves bytes."""
+RATE_KINDS = frozenset({"step", "run"})
+"""Compute events that say how many samples they processed."""
 
 
 def require_ipywidgets(where: str) -> Any:
@@ -963,10 +965,11 @@ class _Series:
     fit's iteration, or a call) without compilation, the compilation taken out, and what the
     point came from (a fit, or a function and path: lines join only points of one source)."""
 
-    __slots__ = ("compiled", "device", "rate", "source", "step", "t")
+    __slots__ = ("compiled", "device", "loss", "rate", "source", "step", "t")
 
     def __init__(self, history: int, device: str):
         self.device = device
+        self.loss = float("nan")  # the last step's loss, where steps report one
         self.t: collections.deque[float] = collections.deque(maxlen=history)
         self.rate: collections.deque[float] = collections.deque(maxlen=history)
         self.step: collections.deque[float] = collections.deque(maxlen=history)
@@ -1064,10 +1067,12 @@ def _by_source(x: np.ndarray, y: np.ndarray, sources: list[str]) -> tuple[np.nda
 
 
 class ThroughputView(_Plotted):
-    """A live plot of samples per second and step time per context.
+    """A live plot of samples per second and step time per context, with each one's last loss.
 
     Fed by ``step`` events (fits report them from inside their compiled loops) and ``run``
-    events (each context's share of a parallel call: its rows over the call's time).
+    events (each context's share of a parallel call: its rows over the call's time). Where an
+    ensemble trains several members on one context, each member has a line of its own,
+    ``context:member``.
 
     Args:
       contexts: show only these contexts (default: all).
@@ -1091,9 +1096,18 @@ class ThroughputView(_Plotted):
     ...
     """
 
-    kinds = COMPUTE_KINDS
+    kinds = RATE_KINDS
     css_class = "mgkit-throughput"
-    headers = ("context", "device", "samples/s", "mean samples/s", "step time", "compile excluded", "points")
+    headers = (
+        "context",
+        "device",
+        "samples/s",
+        "mean samples/s",
+        "step time",
+        "compile excluded",
+        "points",
+        "loss",
+    )
 
     def __init__(
         self,
@@ -1107,13 +1121,13 @@ class ThroughputView(_Plotted):
         super().__init__(rate, ledger, widget, live, contexts)
         self.history = check_count(history, "history", self._where, 2, 100_000, 300)
         self._series: dict[str, _Series] = {}
-        self._last: dict[str, tuple[str, int]] = {}  # each context's last step: (fit, iteration)
+        self._last: dict[tuple[str, str], int] = {}  # (context, fit) -> its last step's iteration
         self._t0 = time.time()
         COMPILES.listen()  # from now on, calls that compile are timed without their compilation
         self._start()
 
     def _seed(self) -> None:
-        events = [e for e in self._ledger.records() if e.kind in COMPUTE_KINDS]
+        events = [e for e in self._ledger.records() if e.kind in RATE_KINDS]
         if events:
             self._t0 = min(self._t0, min(e.start + e.seconds for e in events))
         self._fold(events)
@@ -1151,10 +1165,13 @@ class ThroughputView(_Plotted):
             return False
         spans = COMPILES.spans()
         ends = [end for end, _ in spans]
-        points: list[tuple] = []  # (arrival, point, context, device, source): shown in arrival order
+        points: list[tuple] = []  # (arrival, point, line, device, source): shown in arrival order
+        losses: dict[str, float] = {}
         for (ctx, a, b), group in groups.items():
             source = str(b or "") if a == "step" else f"{a or ''} ({b or ''})"
             device = group[0][1].src_device
+            member = group[0][1].info.get("member") if a == "step" else None
+            name = ctx if member is None or member == ctx else f"{ctx}:{member}"  # a line per model
             for chunk in _chunks(group) if len(group) > _MERGE_OVER else (group,):
                 parts = _summed_runs(chunk, spans, ends, self._t0) if len(chunk) > _MERGE_OVER else None
                 if parts is None:
@@ -1162,7 +1179,10 @@ class ThroughputView(_Plotted):
                     parts = [(i, p) for i, p in parts if p is not None]
                     if len(parts) > _MERGE_OVER:
                         parts = [(parts[-1][0], _merged([p for _, p in parts]))]
-                points.extend((i, p, ctx, device, source) for i, p in parts)
+                points.extend((i, p, name, device, source) for i, p in parts)
+            loss = group[-1][1].info.get("loss") if a == "step" else None
+            if loss is not None:
+                losses[name] = loss
         points.sort(key=operator.itemgetter(0))
         series, history = self._series, self.history
         for _, (t, rate, step, compiled, _), ctx, device, source in points:
@@ -1170,6 +1190,9 @@ class ThroughputView(_Plotted):
             if line is None:
                 line = series[ctx] = _Series(history, device)
             line.add(t, rate, step, compiled, source)
+        for ctx, loss in losses.items():
+            if ctx in series:
+                series[ctx].loss = float(loss)
         return bool(points)
 
     def _point(self, e: Event, source: str, spans: list, ends: list) -> tuple | None:
@@ -1189,11 +1212,10 @@ class ThroughputView(_Plotted):
             return None
         if e.kind == "step":
             iteration = e.info.get("iteration")
-            last_source, last_iteration = self._last.get(e.src, ("", 0))
+            last_iteration = self._last.get((e.src, source), 0)
             if isinstance(iteration, int) and iteration > 0:
-                same = source == last_source and iteration > last_iteration
-                steps = iteration - last_iteration if same else iteration
-                self._last[e.src] = (source, iteration)
+                steps = iteration - last_iteration if iteration > last_iteration else iteration
+                self._last[(e.src, source)] = iteration
         return e.start + e.seconds - self._t0, rate, seconds / steps, compiled, (rate * seconds, steps)
 
     def series(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -1205,7 +1227,10 @@ class ThroughputView(_Plotted):
 
     def _ordered(self) -> list[tuple[str, _Series]]:
         order = {n: i for i, n in enumerate(_contexts.context_map().names)}
-        return sorted(self._series.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+        return sorted(
+            self._series.items(),
+            key=lambda item: (order.get(item[0].split(":")[0], len(order)), item[0]),
+        )
 
     def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return {name: points.arrays() for name, points in self._ordered()}
@@ -1240,6 +1265,7 @@ class ThroughputView(_Plotted):
                 _duration(p.step[-1]),
                 f"{sum(p.compiled):.2f} s" if any(p.compiled) else "",
                 len(p.rate),
+                f"{p.loss:.6g}" if p.loss == p.loss else "",
             )
             for name, p in self._ordered()
         ]

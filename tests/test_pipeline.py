@@ -1,0 +1,182 @@
+"""mg.Pipeline: gradients equal one device's for 1 to 4 stages and M in {1, 2, 4, 8} (with a
+batch that does not divide by M), 2·M·(S−1) stage transfers in the ledger, remat, training with
+one optimizer state per stage on its context, NaN, Ctrl-C and the schedule picture."""
+
+import _thread
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mgkit as mg
+
+ROWS = 30  # divides by 1 and 2, not by 4 or 8
+
+
+def _layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _head(p, h):
+    return h @ p["w"]
+
+
+def _xent(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _model(stages, seed=0, d=5, width=8, classes=3):
+    """``stages`` stages: tanh layers, the last a linear head; their parameters."""
+    rng = np.random.default_rng(seed)
+    fns, params, inp = [], [], d
+    for s in range(stages):
+        last = s == stages - 1
+        out = classes if last else width
+        w = jnp.asarray(rng.normal(size=(inp, out)) * 0.5, jnp.float32)
+        if last:
+            fns.append(_head)
+            params.append({"w": w})
+        else:
+            fns.append(_layer)
+            params.append({"w": w, "b": jnp.asarray(rng.normal(size=out) * 0.1, jnp.float32)})
+        inp = out
+    X = rng.normal(size=(ROWS, d)).astype(np.float32)
+    y = rng.integers(0, classes, size=ROWS).astype(np.int32)
+    return fns, params, X, y
+
+
+def _one_device(fns, params, X, y):
+    def loss(ps):
+        a = jnp.asarray(X)
+        for f, p in zip(fns, ps, strict=True):
+            a = f(p, a)
+        return _xent(a, y)
+
+    return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize(
+    ("stages", "microbatches", "remat"),
+    [(1, 8, False), (2, 1, False), (2, 2, False), (2, 4, True), (3, 8, False), (4, 4, False), (4, 8, True)],
+)
+def test_gradients_equal_one_devices_and_every_hop_is_in_the_ledger(stages, microbatches, remat):
+    fns, params, X, y = _model(stages)
+    ctxs = [f"dev{i}" for i in range(stages)]
+    pipe = mg.Pipeline(
+        list(zip(ctxs, fns, params, strict=True)), loss=_xent, microbatches=microbatches, remat=remat
+    )
+    mg.ledger().clear()
+    loss, grads = pipe.value_and_grad(batch=(X, y))
+    ref_loss, ref_grads = _one_device(fns, params, X, y)
+    assert abs(float(loss) - float(ref_loss)) < 1e-6
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+    assert [mg.where(g) for g in grads] == ctxs and mg.where(loss) == ctxs[-1]
+    hops = mg.ledger().records("transfer")
+    assert len(hops) == 2 * microbatches * (stages - 1)
+    sizes = [len(range(ROWS)[i::microbatches]) for i in range(microbatches)]
+    for e in hops:
+        rows = sorted(sizes, reverse=True)[e.info["microbatch"]]
+        width = 8  # every stage but the last outputs 8 columns; gradients have the same shape
+        assert e.nbytes == rows * width * 4 and e.dst == ctxs[e.info["stage"]]
+        assert e.src == ctxs[e.info["stage"] + (-1 if e.info["what"] == "activations" else 1)]
+    blocks = [e for e in mg.ledger().records() if e.kind in ("forward", "backward")]
+    assert len(blocks) == 2 * microbatches * stages
+
+
+def test_remat_keeps_less_and_gives_the_same_gradients():
+    fns, params, X, y = _model(3, width=64)
+    stages = list(zip(["dev0", "dev1", "dev2"], fns, params, strict=True))
+    kept, grads = {}, {}
+    for remat in (False, True):
+        pipe = mg.Pipeline(stages, loss=_xent, microbatches=4, remat=remat)
+        _, grads[remat] = pipe.value_and_grad(batch=(X, y))
+        kept[remat] = pipe.kept_bytes
+    assert all(k > 0 for k in kept[True]) and sum(kept[True]) < sum(kept[False])
+    for a, b in zip(
+        jax.tree_util.tree_leaves(grads[True]), jax.tree_util.tree_leaves(grads[False]), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_fit_trains_with_one_optimizer_state_per_stage_on_its_context():
+    fns, params, X, y = _model(3)
+    pipe = mg.Pipeline(
+        list(zip(["dev0", "dev1", "dev2"], fns, params, strict=True)), loss=_xent, microbatches=4
+    )
+    hist = pipe.fit((X, y), optax.adam(3e-2), steps=40, batch_size=ROWS, progress=False)
+    assert pipe.step == 40 and len(hist) == 40 and hist.loss[-1] < 0.7 * hist.loss[0]
+    assert [mg.where(p) for p in pipe.params] == ["dev0", "dev1", "dev2"]
+    assert [mg.where(o) for o in pipe.opt_state] == ["dev0", "dev1", "dev2"]
+    for p, o in zip(pipe.params, pipe.opt_state, strict=True):
+        for leaf in jax.tree_util.tree_leaves((p, o)):
+            assert len(leaf.devices()) == 1  # only on its context
+    # the same optimizer goes on from its state; the user's arrays were never donated
+    pipe.fit((X, y), optax.adam(3e-2), steps=2, batch_size=ROWS, progress=False)
+    assert pipe.step == 42 and np.isfinite(np.asarray(params[0]["w"])).all()
+    steps = mg.ledger().records("step")
+    assert {e.src for e in steps} == {"dev0", "dev1", "dev2"} and all(e.info["loss"] > 0 for e in steps)
+    assert len([e for e in mg.ledger().records("update")]) == 3 * 42
+
+
+def test_a_nan_step_is_not_applied_and_ctrl_c_stops_at_a_step_boundary():
+    fns, params, X, y = _model(2)
+    pipe = mg.Pipeline(list(zip(["dev0", "dev1"], fns, params, strict=True)), loss=_xent, microbatches=2)
+    bad = X.copy()
+    bad[3, 1] = np.inf
+    pipe.fit((X, y), optax.sgd(0.1), steps=3, batch_size=ROWS, progress=False)
+    before = jax.device_get(pipe.params)
+    with pytest.raises(
+        FloatingPointError, match=r"step 4's loss .* not applied, and the fit stopped at step 3"
+    ):
+        pipe.fit(lambda step: (bad, y), optax.sgd(0.1), steps=5, progress=False)
+    assert pipe.step == 3 and pipe.history.stopped == "nan"
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(pipe.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    hist = pipe.fit(
+        lambda step: (bad if step == 5 else X, y), optax.sgd(0.1), steps=3, on_nan="skip", progress=False
+    )
+    assert pipe.step == 6 and np.isnan(hist.loss[1]) and np.isfinite(hist.loss[[0, 2]]).all()
+
+    asked = []
+
+    def batches(step):
+        asked.append(step)
+        if len(asked) == 4:
+            threading.Timer(0.0, _thread.interrupt_main).start()
+            time.sleep(0.05)
+        return X, y
+
+    with pytest.raises(KeyboardInterrupt, match="stopped at step"):
+        pipe.fit(batches, optax.sgd(0.1), steps=1000, progress=False)
+    assert (
+        pipe.step in (9, 10) and pipe.history.stopped == "interrupted" and len(pipe.history) == pipe.step - 6
+    )
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(pipe.params))
+    pipe.fit((X, y), optax.sgd(0.1), steps=2, batch_size=ROWS, progress=False)
+    assert pipe.step in (11, 12)
+
+
+def test_the_schedule_draws_every_call_with_the_bubble(tmp_path):
+    fns, params, X, y = _model(2)
+    pipe = mg.Pipeline(list(zip(["dev0", "dev1"], fns, params, strict=True)), loss=_xent, microbatches=4)
+    pipe.fit((X, y), optax.sgd(0.1), steps=2, batch_size=ROWS, progress=False)
+    shown = pipe.schedule(widget=False)
+    kinds = [(b.row, b.kind) for b in shown.blocks]
+    for row in ("stage 0 (dev0)", "stage 1 (dev1)"):
+        assert kinds.count((row, "forward")) == 4 and kinds.count((row, "backward")) == 4
+        assert kinds.count((row, "update")) == 1
+    assert shown.ideal == pytest.approx(1 / 5) and 0 <= shown.bubble < 1
+    for b in shown.blocks:
+        assert 0 <= b.start <= b.end <= shown.span
+    text = str(shown)
+    assert "2 stage(s) x 4 microbatch(es)" in text and "0.20 ideal" in text and "8 stage transfer(s)" in text
+    assert "F forward" in text and "B backward" in text and "U update" in text
+    assert "<svg" in shown.html() and "stage 1 (dev1)" in shown.html()
+    path = shown.save_png(tmp_path / "gpipe.png")
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
