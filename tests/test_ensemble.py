@@ -85,7 +85,7 @@ def _members(contexts):
     return out
 
 
-@pytest.mark.parametrize("contexts", [["dev0", "dev0"], ["dev0", "dev1", "dev2", "dev2"]])
+@pytest.mark.parametrize("contexts", [["dev0", "dev0"], ["dev0", "dev1", "dev2", "dev3", "dev3"]])
 def test_every_member_ends_with_the_parameters_it_trains_to_alone(contexts):
     members = _members(contexts)
     ens = mg.Ensemble({ctx: [m[-1] for m in group] for ctx, group in members.items()})

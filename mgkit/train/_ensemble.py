@@ -29,6 +29,7 @@ from .._ledger import Event, execution_label, ledger
 from .._numbers import whole
 from .._spmd import Targets, sharding
 from .._table import Table
+from .._transfer import place
 from . import _data
 from ._checks import (
     check_key,
@@ -40,7 +41,7 @@ from ._checks import (
 )
 from ._history import History
 from ._loop import Bar, Interrupts
-from ._step import copied, place_spmd_batch, spmd_step
+from ._step import copied, spmd_step
 
 _WHERE = "Ensemble"
 
@@ -467,7 +468,10 @@ class Ensemble:
                 return None
             leaves, treedef, n = _data.check_batch(batch, 1, f"{_WHERE} member {r.name!r}", "the batch")
             own = isinstance(f.src, _data.ArraySource)
-            even, rest, _ = place_spmd_batch(leaves, treedef, r.targets, own)
+            # one context: the batch goes to its device whole (a split event); batches mgkit
+            # made are its own copies, the caller's are copied first (the step may keep them)
+            placed = place(leaves, r.ctx, "split", {"rows": n, "of": n, "member": r.name}, private=own)
+            even, rest = jax.tree_util.tree_unflatten(treedef, placed), None
             r.check_loss(even)
             key = None if r.member.key is None else jax.random.fold_in(r.member.key, step)
             t0 = time.perf_counter()
@@ -488,7 +492,8 @@ class Ensemble:
         if f.error is not None and item.step >= f.error.step:
             return True  # dispatched behind the step that failed: it changed nothing
         try:
-            loss, ok = float(item.loss), bool(item.ok)
+            loss = float(item.loss)  # NaN where the gated step applied no update
+            ok = loss == loss
         except Exception as e:  # noqa: BLE001 - a failure on the device
             r.step = min(r.step, item.step - 1)
             self._fail(f, item.step, e, "error")

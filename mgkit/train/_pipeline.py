@@ -73,7 +73,7 @@ class _Stage:
         self.index, self.ctx, self.fn, self.remat = index, ctx, fn, remat
         self.first, self.last = index == 0, index == count - 1
         self.name = f"stage {index} ({ctx.name}, {_fn_name(fn)})"
-        self._trees: dict[tuple, Any] = {}  # inputs' shapes -> the vjp's structure (remat=False)
+        self._trees: dict[tuple, Any] = {}  # arguments' shapes -> the vjp's structure (remat=False)
         self._backs: dict[tuple, Callable] = {}
 
         if self.last:
@@ -100,7 +100,7 @@ class _Stage:
         def keep(p, x, *rest):
             out, back = vjp(p, x, *rest)
             leaves, tree = jax.tree_util.tree_flatten(back)
-            self._trees[_key(x, *rest)] = (tree, jax.ShapeDtypeStruct(out.shape, out.dtype))
+            self._trees[_key(p, x, *rest)] = (tree, jax.ShapeDtypeStruct(out.shape, out.dtype))
             return out, leaves
 
         self._forward = jax.jit(model if remat else keep)
@@ -114,7 +114,7 @@ class _Stage:
         if self.remat:
             return self._forward(p, x, *rest), (x, *rest)
         out, leaves = self._forward(p, x, *rest)
-        return out, (_key(x, *rest), leaves)
+        return out, (_key(p, x, *rest), leaves)
 
     def backward(self, p: Any, saved: tuple, g: Any, acc: Any) -> tuple[Any, Any]:
         """(the parameters' gradient plus ``acc``, the input's gradient or None)."""

@@ -102,7 +102,8 @@ def spmd_step(
     ``gated``: the step takes one more argument, ``alive`` (a bool array), and applies its
     update only where it is True: the ``ok`` of one step is the ``alive`` of the next, so a
     model whose step k was not finite keeps its state through steps dispatched before the
-    caller read step k's result."""
+    caller read step k's result. Its loss is NaN where the update was not applied, so reading
+    the loss alone says both."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
 
     def step(params, opt_state, even, rest, key, alive=None):
@@ -119,6 +120,8 @@ def spmd_step(
 
         (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
         params, opt_state, ok = update(optimizer, params, opt_state, loss, grads, alive)
+        if gated:  # one scalar tells both: the loss where the update applied, NaN where not
+            loss = jnp.where(ok, loss, jnp.nan)
         return StepOut(params, opt_state, loss, ok, aux)
 
     return jax.jit(
