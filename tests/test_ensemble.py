@@ -251,7 +251,8 @@ def test_ctrl_c_stops_every_member_at_a_step_boundary_and_the_next_fit_goes_on()
     res = ens.result
     for name in ("a", "b"):
         r = res[name]
-        assert r.stopped == "interrupted" and 8 <= r.step <= 10 and len(r.history) == r.step
+        # the round under way when Ctrl-C came ends (a late signal: a round or two more)
+        assert r.stopped == "interrupted" and 8 <= r.step <= 12 and len(r.history) == r.step
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(r.params))
     before = ens.step
     with warnings.catch_warnings():

@@ -153,12 +153,11 @@ def test_a_nan_step_is_not_applied_and_ctrl_c_stops_at_a_step_boundary():
 
     with pytest.raises(KeyboardInterrupt, match="stopped at step"):
         pipe.fit(batches, optax.sgd(0.1), steps=1000, progress=False)
-    assert (
-        pipe.step in (9, 10) and pipe.history.stopped == "interrupted" and len(pipe.history) == pipe.step - 6
-    )
+    stopped = pipe.step  # the step under way when Ctrl-C came ends (a late signal: a step or two more)
+    assert 9 <= stopped <= 12 and pipe.history.stopped == "interrupted" and len(pipe.history) == stopped - 6
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(pipe.params))
     pipe.fit((X, y), optax.sgd(0.1), steps=2, batch_size=ROWS, progress=False)
-    assert pipe.step in (11, 12)
+    assert pipe.step == stopped + 2
 
 
 def test_the_schedule_draws_every_call_with_the_bubble(tmp_path):
