@@ -223,3 +223,14 @@ def test_a_member_whose_loss_is_not_scalar_is_reported_and_the_others_train():
     with pytest.warns(RuntimeWarning, match=r"member 'bad' on dev0 failed at step 1: TypeError"):
         res = ens.fit(steps=3, progress=False)
     assert "must return a scalar" in str(res["bad"].error) and res["good"].step == 3
+
+
+def test_a_missing_input_is_both_a_type_error_and_a_value_error():
+    for make in (
+        lambda: mg.Member(_loss, optax.sgd(0.1), P),
+        lambda: mg.Ensemble({"dev0": _member()}).fit(progress=False),
+        lambda: _pipe().value_and_grad(),
+    ):
+        for error in (TypeError, ValueError):
+            with pytest.raises(error):
+                make()

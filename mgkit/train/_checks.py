@@ -15,6 +15,11 @@ from .._errors import ContextError
 from .._transfer import leaves_of
 
 
+class MissingInputError(TypeError, ValueError):
+    """A required input is missing (a member without data or steps, a call without a batch):
+    a TypeError, as for a missing argument, and a ValueError, as for a value out of bounds."""
+
+
 def check_loss_fn(loss_fn: Any, where: str, what: str = "loss_fn(params, batch) -> scalar loss") -> Callable:
     if not callable(loss_fn):
         raise TypeError(

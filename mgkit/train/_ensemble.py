@@ -32,6 +32,7 @@ from .._table import Table
 from .._transfer import place
 from . import _data
 from ._checks import (
+    MissingInputError,
     check_key,
     check_loss_fn,
     check_optimizer,
@@ -88,7 +89,7 @@ class Member:
         check_params(params, where)
         self.params = params
         if data is None:
-            raise TypeError(
+            raise MissingInputError(
                 f"{where}: no data; give the member its batches, e.g. Member(loss_fn, optimizer, params, "
                 "data=(X, y)), a function step -> batch, or an iterable of batches"
             )
@@ -389,7 +390,7 @@ class Ensemble:
         for name, r in self._runners.items():
             total = r.member.steps if r.member.steps is not None else steps
             if total is None:
-                raise TypeError(
+                raise MissingInputError(
                     f"{where}: member {name!r} ({r.ctx.name}) has no steps; give mg.Member(..., steps=500) "
                     "or ens.fit(steps=1000)"
                 )

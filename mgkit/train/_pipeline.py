@@ -38,7 +38,14 @@ from .._numbers import whole
 from .._spmd import shares
 from .._transfer import leaves_of, place
 from . import _data
-from ._checks import check_loss_fn, check_optimizer, check_params, check_scalar_loss, device_context
+from ._checks import (
+    MissingInputError,
+    check_loss_fn,
+    check_optimizer,
+    check_params,
+    check_scalar_loss,
+    device_context,
+)
 from ._history import History
 from ._loop import Bar, Interrupts
 
@@ -425,7 +432,7 @@ class Pipeline:
         """
         where = f"{_WHERE}.value_and_grad"
         if batch is None:
-            raise TypeError(f"{where}: give the batch, e.g. pipe.value_and_grad(batch=(X, y))")
+            raise MissingInputError(f"{where}: give the batch, e.g. pipe.value_and_grad(batch=(X, y))")
         params = self._params if p is None else self._on_stages(p)
         loss, grads, _ = self._run(params, batch, where, "value_and_grad")
         return loss, grads
@@ -580,7 +587,7 @@ class Pipeline:
         elif isinstance(src, _data.ArraySource):
             total = src.steps_per_epoch
         else:
-            raise TypeError(
+            raise MissingInputError(
                 f"{where}: data is a function or an iterable of batches; say how many steps, e.g. steps=500"
             )
         if self._optimizer is not optimizer:
