@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
 from .. import _progress
 from .._beat import beat
@@ -18,7 +17,7 @@ from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
 from ._checkpoint import Checkpoints
-from ._checks import check_key, check_params, check_scalar_loss
+from ._checks import check_key, check_loss_fn, check_optimizer, check_params, check_scalar_loss
 from ._history import History
 from ._loop import Bar, Interrupts
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
@@ -91,16 +90,8 @@ class Trainer:
         keep: int | None = 3,
         prefetch: int = 2,
     ):
-        if not callable(loss_fn):
-            raise TypeError(
-                f"{_WHERE}: loss_fn must be a function loss_fn(params, batch) -> scalar loss; got "
-                f"{type(loss_fn).__name__} {loss_fn!r:.80}"
-            )
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(
-                f"{_WHERE}: optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3), "
-                f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}"
-            )
+        check_loss_fn(loss_fn, _WHERE)
+        check_optimizer(optimizer, _WHERE)
         if on_nan not in ("raise", "skip"):
             raise ValueError(
                 f"{_WHERE}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'"
