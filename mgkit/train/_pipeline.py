@@ -92,7 +92,6 @@ class _Stage:
             def model(p, x):
                 return fn(p, x)
 
-        self.model = model
         first = self.first
 
         def vjp(p, x, *rest):
