@@ -96,6 +96,16 @@ CASES = {
         r"params leaf \['w'\] has dtype int32; .* floating point",
     ),
     "zero steps": (lambda: _member(steps=0), ValueError, r"steps=0"),
+    "a member loss that is not scalar": (
+        lambda: mg.Member(lambda p, b: (b[0] @ p["w"])[:, 0], optax.sgd(0.1), P, data=(X, Y), batch_size=4),
+        TypeError,
+        r"Member: loss_fn must return a scalar.*shape \(4,\)",
+    ),
+    "a member loss that fails on its data": (
+        lambda: mg.Member(lambda p, b: jnp.mean(b[0] @ p["v"]), optax.sgd(0.1), P, data=(X, Y)),
+        KeyError,
+        r"Member: loss_fn\(params, batch\) fails on a batch of 12 rows of data",
+    ),
     "a batch larger than the data": (
         lambda: _member(batch_size=50),
         ValueError,
@@ -217,8 +227,11 @@ def test_duplicate_stage_contexts_are_allowed_with_a_warning():
     assert np.isfinite(float(loss)) and [mg.where(g) for g in grads] == ["dev0", "dev0"]
 
 
-def test_a_member_whose_loss_is_not_scalar_is_reported_and_the_others_train():
-    bad = mg.Member(lambda p, b: (b[0] @ p["w"])[:, 0], optax.sgd(0.1), P, data=(X, Y), name="bad")
+def test_a_member_whose_loss_is_not_scalar_on_its_batches_is_reported_and_the_others_train():
+    # batches from a function are known only when asked for: the first one shows it
+    bad = mg.Member(
+        lambda p, b: (b[0] @ p["w"])[:, 0], optax.sgd(0.1), P, data=lambda step: (X, Y), name="bad"
+    )
     ens = mg.Ensemble({"dev0": bad, "dev1": _member(name="good")})
     with pytest.warns(RuntimeWarning, match=r"member 'bad' on dev0 failed at step 1: TypeError"):
         res = ens.fit(steps=3, progress=False)

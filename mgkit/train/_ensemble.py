@@ -95,13 +95,33 @@ class Member:
             )
         self.seed = whole(seed, "seed", where, lo=0, example=0)
         self.steps = None if steps is None else whole(steps, "steps", where, lo=1, example=1000)
-        _data.source(data, batch_size, shuffle, self.seed, 1, where)  # checked now, made per fit
+        src = _data.source(data, batch_size, shuffle, self.seed, 1, where)  # checked now, made per fit
         self.data, self.batch_size, self.shuffle = data, batch_size, bool(shuffle)
         self.key = check_key(key, where)
         self.has_aux = bool(has_aux)
         if name is not None and (not isinstance(name, str) or not name):
             raise TypeError(f"{where}: name must be a non-empty str, got {type(name).__name__} {name!r}")
         self.name = name
+        if isinstance(src, _data.ArraySource):  # the loss on a batch's shapes, before anything runs
+            self._check_loss(src, where)
+
+    def _check_loss(self, src: _data.ArraySource, where: str) -> None:
+        rows = src.batch_size
+        batch = jax.tree_util.tree_unflatten(
+            src.treedef,
+            [
+                jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), jax.dtypes.canonicalize_dtype(x.dtype))
+                for x in src.leaves
+            ],
+        )
+        extra = () if self.key is None else (self.key,)
+        try:
+            out = jax.eval_shape(self.loss_fn, self.params, batch, *extra)
+        except Exception as e:
+            raise type(e)(
+                f"{where}: loss_fn(params, batch) fails on a batch of {rows} rows of data: {e}"
+            ) from e
+        check_scalar_loss(out, self.has_aux, where)
 
     def __repr__(self) -> str:
         fn = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
