@@ -39,10 +39,6 @@ class Timing:
         return self._done.wait(timeout)
 
     @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    @property
     def start(self) -> float:
         """When the call began on its device (waits until it, and what it waited for, were seen done)."""
         if self._start is None:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from . import _svg
 from ._ledger import Event
-from ._table import human_bytes, text_table
+from ._table import human_bytes
 from ._widgets import LiveView
 
 _KIND_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "update": "#2ca02c"}
@@ -275,10 +275,6 @@ class Schedule(LiveView):
         if handles:
             ax.legend(handles=handles, fontsize="small", loc="upper right", ncols=min(len(handles), 4))
         ax.set_title("\n".join([self.title, *self.notes[:1]]), fontsize=8, loc="left")
-
-    def table(self) -> str:
-        """Per row: blocks, milliseconds busy and the share of the span."""
-        return text_table(("row", "calls", "busy ms", "busy"), self._rows(), self.title)
 
 
 def _member_char(i: int) -> str:

@@ -27,7 +27,7 @@ import numpy as np
 from .. import _clock, _contexts
 from .._ledger import Event, execution_label, ledger
 from .._numbers import whole
-from .._spmd import Targets, sharding
+from .._spmd import sharding
 from .._table import Table
 from .._transfer import place
 from . import _data
@@ -102,7 +102,8 @@ class Member:
         if name is not None and (not isinstance(name, str) or not name):
             raise TypeError(f"{where}: name must be a non-empty str, got {type(name).__name__} {name!r}")
         self.name = name
-        if isinstance(src, _data.ArraySource):  # the loss on a batch's shapes, before anything runs
+        self._checked = isinstance(src, _data.ArraySource)
+        if self._checked:  # the loss on a batch's shapes, before anything runs
             self._check_loss(src, where)
 
     def _check_loss(self, src: _data.ArraySource, where: str) -> None:
@@ -215,7 +216,6 @@ class _Runner:
 
     def __init__(self, name: str, member: Member, ctx: _contexts.Context):
         self.name, self.member, self.ctx = name, member, ctx
-        self.targets = Targets((ctx,), True)
         devices = (ctx.device,)
         rep = sharding(devices)
         self.params = copied(member.params, rep)
@@ -224,7 +224,7 @@ class _Runner:
         self.alive_true = jax.device_put(jnp.asarray(True), rep)
         self.step = 0
         self.position: dict | None = None
-        self.checked = False
+        self.checked = member._checked  # a member of arrays was checked when made
         self.what = f"Ensemble.fit [{name}]"
 
     def source(self) -> Any:
