@@ -461,10 +461,10 @@ def record(layout: Layout, start: float, arrays: list, t0: float, done: float | 
     if done is None:
         for a in arrays:
             if not a.is_ready():
-                ledger().record_layout_when_ready(layout, start, label, arrays, t0)
+                ledger().record_when_ready(layout.call(start, 0.0, label), arrays, t0)
                 return
         done = time.perf_counter()
-    ledger().record_layout(layout, start, done - t0, label)
+    ledger().record(layout.call(start, done - t0, label))
 
 
 def lands_at_once(devices: Sequence, nbytes: int) -> bool:

@@ -62,7 +62,7 @@ def test_a_layout_recorded_per_call_reads_like_its_events():
     seen = []
     led.subscribe(seen.append)
     for call in range(3):
-        led.record_layout(lay, 100.0 + call, 2.0, call)
+        led.record(lay.call(100.0 + call, 2.0, call))
         plain.record(lay.events(100.0 + call, 2.0, call))
     got = led.records()
     assert got == plain.records() and seen == got and len(led) == 12
@@ -83,7 +83,7 @@ def test_the_ring_buffer_drops_the_oldest_events_of_a_layout_entry_one_by_one():
     led = Ledger(capacity=6)
     lay = _layout()  # 4 events per call
     for call in range(3):
-        led.record_layout(lay, float(call), 1.0, call)
+        led.record(lay.call(float(call), 1.0, call))
     kept = led.records()
     assert len(led) == 6 and led.dropped == 6
     assert [e.label for e in kept] == [1, 1, 2, 2, 2, 2]
@@ -111,7 +111,7 @@ def _running() -> tuple[jax.Array, float]:
 def test_a_layout_in_flight_is_timed_by_the_watcher():
     led = Ledger()
     y, t0 = _running()
-    led.record_layout_when_ready(_layout(2), time.time(), None, [y], t0)
+    led.record_when_ready(_layout(2).call(time.time(), 0.0, None), [y], t0)
     y.block_until_ready()
     finished = time.perf_counter() - t0
     assert led.flush(timeout=30)
@@ -140,7 +140,7 @@ def test_records_filter_by_kind():
 def test_an_attached_buffer_gets_one_entry_per_call_and_reads_as_the_events():
     led, buffer = Ledger(), collections.deque(maxlen=100)
     detach = led.attach(buffer)
-    led.record_layout(_layout(), 1.0, 2.0, 5)  # 4 events, one entry
+    led.record(_layout().call(1.0, 2.0, 5))  # 4 events, one entry
     led.record(_event(6))
     assert len(buffer) == 2 and events_of(buffer) == led.records()
     detach()
@@ -292,8 +292,8 @@ def test_label_is_the_ipython_execution_count():
 def test_a_layout_entry_carries_each_calls_own_facts():
     led, lay = Ledger(), _layout(2)  # 3 events
     facts = ({"loss": 1.0}, {"loss": 2.0}, {"loss": 3.0})
-    led.record_layout(lay, 5.0, 1.0, None, facts)
-    led.record_layout(lay, 6.0, 1.0, None)
+    led.record(lay.call(5.0, 1.0, None, facts))
+    led.record(lay.call(6.0, 1.0, None))
     got = led.records()
     assert [e.info.get("loss") for e in got] == [1.0, 2.0, 3.0, None, None, None]
     assert got[0].info["i"] == 0 and lay.rows[0][2] == {"i": 0}  # the layout's own info is not changed

@@ -400,7 +400,7 @@ class Trainer:
 
     def _step_layout(self, rows: tuple[int, ...], total: int | None) -> Layout:
         """The ``step`` events of a step, one per context (its rows), made once per layout: each
-        step's loss and rates go with it (``Ledger.record_layout``'s extra)."""
+        step's loss and rates go with it (``Layout.call``'s extra)."""
         key = (rows, total)
         layout = self._layouts.get(key)
         if layout is None:
@@ -526,8 +526,8 @@ class Trainer:
             }
             for r in rows
         )
-        ledger().record_layout(
-            self._step_layout(rows, run.total), time.time() - seconds, seconds, run.label, facts
+        ledger().record(
+            self._step_layout(rows, run.total).call(time.time() - seconds, seconds, run.label, facts)
         )
         run.iteration, run.loss = step, loss
         beat(step)

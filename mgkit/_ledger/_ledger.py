@@ -12,135 +12,43 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
-from . import _contexts
-from ._numbers import whole
-from ._table import Table, html_table, human_bytes, text_table
+from .. import _contexts
+from .._numbers import whole
+from .._table import human_bytes
+from ._events import Call, Entry, Event, Layout, events_of, timed
+from ._tables import Matrix, Summary
 
 log = logging.getLogger("mgkit")
 
 
-def link_shares(links: list[tuple[str, str, int]]) -> list[float]:
-    """Each event's share of the seconds that events completing together took, from its
-    (source, target, bytes): all of them where it is the only event between its two contexts,
-    else its part of the bytes that went between them (an equal part where none did)."""
-    totals: dict[tuple[str, str], list[int]] = {}
-    for src, dst, nbytes in links:
-        totals.setdefault((src, dst), []).append(nbytes)
-    out = []
-    for src, dst, nbytes in links:
-        sizes = totals[(src, dst)]
-        out.append(1.0 if len(sizes) == 1 else nbytes / sum(sizes) if sum(sizes) else 1.0 / len(sizes))
-    return out
+class _WhenReady(NamedTuple):
+    """Events waiting on the watcher thread for their arrays (``Ledger.record_when_ready``)."""
 
+    entry: list[Event] | Call
+    arrays: list  # the arrays whose completion ends the work
+    t0: float  # ``time.perf_counter()`` at issue
 
-def _timed(events: list[Event], seconds: float) -> list[Event]:
-    """``events`` that completed together after ``seconds``, each given its share (``link_shares``)."""
-    if len({(e[1], e[2]) for e in events}) == len(events):  # one event per pair: all the seconds
-        return [_new(Event, (*e[:7], seconds, e[8], e[9])) for e in events]
-    shares = link_shares([(e[1], e[2], e[5]) for e in events])
-    pairs = zip(events, shares, strict=True)
-    return [_new(Event, (*e[:7], seconds * share, e[8], e[9])) for e, share in pairs]
-
-
-_new = tuple.__new__  # an Event from a tuple of its fields, without NamedTuple's argument parsing
-
-
-class Event(NamedTuple):
-    """One thing mgkit did.
-
-    Attributes:
-      kind: ``put``, ``transfer``, ``colocate``, ``split``, ``replicate``, ``concat``, ``gather``
-        or ``run`` (one context's share of a parallel call).
-      src, dst: context names (``host`` for host memory).
-      src_device, dst_device: short device names (``cpu0``, ``cuda1``, ``host``).
-      nbytes: bytes moved.
-      start: wall-clock time the operation was issued (``time.time()``).
-      seconds: time from issue to completion.
-      label: the IPython execution count (``In [7]`` -> ``7``) when run in IPython, else None.
-      info: extra facts about the event (array count, shapes, samples...), or None.
-    """
-
-    kind: str
-    src: str
-    dst: str
-    src_device: str
-    dst_device: str
-    nbytes: int
-    start: float
-    seconds: float
-    label: int | None = None
-    info: Mapping[str, Any] | None = None
-
-    @property
-    def gbps(self) -> float:
-        """Achieved bandwidth in GB/s (1e9 bytes per second)."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
-
-
-class Layout:
-    """Events that calls laid out alike record again and again, made once by their caller and
-    kept (``_spmd`` caches them per layout): per event its first six fields (kind to bytes), its
-    share of the seconds the events take together (``link_shares``) and its info.
-
-    ``Ledger.record_layout`` keeps one small entry per call and makes the events only when they
-    are read (``records``, subscribers); the running totals are folded in per layout, so a
-    call's recording costs the same however many contexts it spans.
-    """
-
-    __slots__ = ("rows", "size", "totals")
-
-    def __init__(self, rows: list[tuple[tuple, float, Mapping[str, Any] | None]]):
-        self.rows = tuple(rows)
-        self.size = len(self.rows)
-        sums: dict[tuple[str, str, str], list] = {}
-        for head, share, _ in self.rows:
-            total = sums.setdefault((head[0], head[1], head[2]), [0, 0, 0.0])
-            total[0] += 1
-            total[1] += head[5]
-            total[2] += share
-        # per (kind, source, target): events, bytes, and the share of one call's seconds
-        self.totals = tuple((key, c, b, s) for key, (c, b, s) in sums.items())
-
-    def events(
-        self, start: float, seconds: float, label: int | None, extra: tuple | None = None
-    ) -> list[Event]:
-        """The events of one call issued at ``start`` that took ``seconds`` together; ``extra``:
-        one dict per event of this call's own facts (a step's loss), merged into its info."""
-        if extra is None:
-            return [
-                _new(Event, (*head, start, seconds * share, label, info)) for head, share, info in self.rows
-            ]
-        return [
-            _new(Event, (*head, start, seconds * share, label, {**(info or {}), **more}))
-            for (head, share, info), more in zip(self.rows, extra, strict=True)
-        ]
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __repr__(self) -> str:
-        return f"Layout({[head[:3] for head, _, _ in self.rows]})"
-
-
-class _Recorded(NamedTuple):
-    """One ``record_layout`` call as the ledger keeps it, its events made when read."""
-
-    layout: Layout
-    start: float
-    seconds: float
-    label: int | None
-    extra: tuple | None = None  # per event: this call's own facts
-
-    def events(self) -> list[Event]:
-        return self.layout.events(self.start, self.seconds, self.label, self.extra)
+    def finish(self) -> list[Event | Call]:
+        """Waits for the arrays, then the entry timed from ``t0``; failed work is recorded with
+        its error in ``info``, not lost."""
+        try:
+            for a in self.arrays:
+                a.block_until_ready()
+            seconds, error = time.perf_counter() - self.t0, None
+        except Exception as e:  # noqa: BLE001
+            seconds, error = time.perf_counter() - self.t0, {"error": repr(e)}
+        entry = self.entry
+        if type(entry) is Call:
+            if error is None:
+                return [entry._replace(seconds=seconds)]
+            entry = entry.events()
+        done = timed(entry, seconds)
+        return done if error is None else [e._replace(info={**(e.info or {}), **error}) for e in done]
 
 
 class _Later(NamedTuple):
@@ -148,91 +56,16 @@ class _Later(NamedTuple):
 
     make: Callable[[], list[Event]]
 
-
-def _size(entry: Event | _Recorded) -> int:
-    return entry.layout.size if type(entry) is _Recorded else 1
-
-
-def events_of(entries) -> list[Event]:
-    """The events of entries a buffer got from ``Ledger.attach``, in order."""
-    out: list[Event] = []
-    for entry in entries:
-        if type(entry) is _Recorded:
-            out.extend(entry.events())
-        else:
-            out.append(entry)
-    return out
+    def finish(self) -> list[Event]:
+        try:
+            return list(self.make())
+        except Exception:
+            log.exception("mgkit ledger: events made after the work could not be made")
+            return []
 
 
-def execution_label() -> int | None:
-    """The running IPython cell's execution count, without importing IPython."""
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return None
-    try:
-        shell = ipython.get_ipython()
-    except Exception:  # noqa: BLE001
-        return None
-    if shell is None:
-        return None
-    # The running cell is the last input in the history (IPython moves execution_count on
-    # before or after the cell depending on its version; the history is the same in both).
-    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
-    if history:
-        return len(history) - 1
-    return getattr(shell, "execution_count", None)
-
-
-def short_label(name: str) -> str:
-    """A compact label for an array over many contexts: ``dev0+dev1+...+dev7`` -> ``dev0..dev7 (8)``."""
-    parts = name.split("+")
-    return name if len(parts) <= 3 else f"{parts[0]}..{parts[-1]} ({len(parts)})"
-
-
-class Summary(Table):
-    """Per source -> target pair totals: count, bytes, seconds, GB/s."""
-
-    headers = ("kind", "from", "to", "count", "bytes", "seconds", "GB/s")
-
-    def _display_rows(self) -> list[tuple]:
-        return [
-            (
-                k,
-                short_label(s),
-                short_label(d),
-                c,
-                human_bytes(b),
-                f"{t:.6f}",
-                f"{b / t / 1e9:.2f}" if t > 0 and b else "n/a",
-            )
-            for k, s, d, c, b, t in self._rows
-        ]
-
-
-class Matrix:
-    """Bytes moved between every pair of contexts: ``values[i, j]`` from ``names[i]`` to ``names[j]``."""
-
-    def __init__(self, names: list[str], values: np.ndarray):
-        self.names = names
-        self.values = values
-
-    def __getitem__(self, pair: tuple[str, str]) -> int:
-        src, dst = pair
-        return int(self.values[self.names.index(src), self.names.index(dst)])
-
-    def _rows(self) -> tuple[list[str], list[list[str]]]:
-        headers = ["from \\ to", *map(short_label, self.names)]
-        rows = [
-            [short_label(s), *(human_bytes(v) if v else "." for v in self.values[i])]
-            for i, s in enumerate(self.names)
-        ]
-        return headers, rows
-
-    def __repr__(self) -> str:
-        return text_table(*self._rows(), title="bytes moved (row: from, column: to)")
-
-    def _repr_html_(self) -> str:
-        return html_table(*self._rows(), title="bytes moved (row: from, column: to)")
+def _size(entry: Event | Call) -> int:
+    return entry.layout.size if type(entry) is Call else 1
 
 
 class _Subscription:
@@ -290,8 +123,8 @@ class Ledger:
 
     def __init__(self, capacity: int = 10_000):
         self._lock = threading.RLock()
-        # Events and ``_Recorded`` entries, oldest first; ``_kept`` events in all, at most capacity.
-        self._events: collections.deque[Event | _Recorded] = collections.deque()
+        # Events and layout ``Call``s, oldest first; ``_kept`` events in all, at most capacity.
+        self._events: collections.deque[Event | Call] = collections.deque()
         self._capacity = self._check_capacity(capacity)
         self._kept = 0
         self._totals: dict[tuple[str, str, str], list[float]] = {}
@@ -334,10 +167,20 @@ class Ledger:
             over -= size
 
     # -- recording -------------------------------------------------------------------------
+    # Three ways in: ``record`` for work already done and timed, ``record_when_ready`` for work
+    # still running on the devices (timed to completion off the caller's thread), and
+    # ``record_later`` for events that can only be made once the work is done.
 
-    def record(self, event: Event | list[Event]) -> None:
-        """Appends a finished event (or several, in order) and hands each to every subscriber."""
-        self._record_all((event,) if isinstance(event, Event) else event)
+    def record(self, entry: Entry) -> None:
+        """Records finished work: an event, several events in order, or one call of a layout
+        (``layout.call(start, seconds, label)``, kept as one entry and made into events when
+        read), and hands each event to every subscriber.
+
+        Use it when the caller knows the seconds already (host work, a step it waited for)."""
+        if type(entry) is Call:
+            self._record_call(entry)
+        else:
+            self._record_all((entry,) if isinstance(entry, Event) else entry)
 
     def _record_all(self, events) -> None:
         with self._lock:
@@ -361,15 +204,7 @@ class Ledger:
         if subscribers:
             self._notify(events, subscribers)
 
-    def record_layout(
-        self, layout: Layout, start: float, seconds: float, label: int | None, extra: tuple | None = None
-    ) -> None:
-        """Records the events of ``layout`` for one call issued at ``start`` that took ``seconds``
-        (each event its share): one entry and one fold per call, the events made when read.
-        ``extra``: one dict per event of this call's own facts, merged into its info."""
-        self._record_layout(_Recorded(layout, start, seconds, label, extra))
-
-    def _record_layout(self, entry: _Recorded) -> None:
+    def _record_call(self, entry: Call) -> None:
         with self._lock:
             self._events.append(entry)
             self._kept += entry.layout.size
@@ -410,86 +245,62 @@ class Ledger:
                     tot[2] += seconds * share
         self._folds.clear()
 
-    def record_when_ready(self, event: Event | list[Event], arrays: list, t0: float) -> None:
-        """Records ``event`` (or several events that share one completion) once ``arrays`` are
-        ready, timed from ``t0`` (``time.perf_counter``) to completion, without making the
-        caller wait. Events between one pair of contexts (a split and a replicate to one
-        context in one placement) share the seconds in proportion to their bytes, so the link's
-        seconds are counted once; events on different pairs each get them all.
+    def record_when_ready(self, entry: Entry, arrays: list, t0: float) -> None:
+        """Records ``entry`` (an event, events that share one completion, or a layout's call)
+        once ``arrays`` are ready, timed from ``t0`` (``time.perf_counter``) to completion,
+        without making the caller wait: use it for copies and programs just dispatched.
 
-        Work that is already complete is timed and recorded at once; work still running is
-        handed to a watcher thread that waits for it.
+        Events between one pair of contexts (a split and a replicate to one context in one
+        placement) share the seconds in proportion to their bytes, so the link's seconds are
+        counted once; events on different pairs each get them all. Work that is already
+        complete is timed and recorded at once; work still running is handed to a watcher
+        thread that waits for it.
         """
-        events = [event] if isinstance(event, Event) else event
         for a in arrays:
             if not a.is_ready():
                 break
         else:  # all complete: recorded here, no watcher needed
-            self._record_all(_timed(events, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            if type(entry) is Call:
+                self._record_call(entry._replace(seconds=seconds))
+            else:
+                self._record_all(timed([entry] if isinstance(entry, Event) else entry, seconds))
             return
-        self._watch_for(events, len(events), arrays, t0)
-
-    def record_layout_when_ready(
-        self, layout: Layout, start: float, label: int | None, arrays: list, t0: float
-    ) -> None:
-        """``record_layout`` once ``arrays`` are ready, timed from ``t0`` to completion, without
-        making the caller wait (see ``record_when_ready``)."""
-        for a in arrays:
-            if not a.is_ready():
-                break
-        else:
-            self._record_layout(_Recorded(layout, start, time.perf_counter() - t0, label))
-            return
-        self._watch_for(_Recorded(layout, start, 0.0, label), layout.size, arrays, t0)
+        if isinstance(entry, Event):
+            entry = [entry]
+        self._watch_for(_WhenReady(entry, arrays, t0), _size(entry) if type(entry) is Call else len(entry))
 
     def record_later(self, make: Callable[[], list[Event]]) -> None:
         """Records the events ``make()`` returns, called on the ledger's watcher thread: for
         events whose times are known only once work on the devices is done (``make`` may wait
         for it), without making the caller wait. ``flush`` (and so ``records``) waits for them."""
-        self._watch_for(_Later(make), 1, [], 0.0)
+        self._watch_for(_Later(make), 1)
 
-    def _watch_for(self, entry: list[Event] | _Recorded | _Later, size: int, arrays: list, t0: float) -> None:
+    def _watch_for(self, pending: _WhenReady | _Later, size: int) -> None:
         with self._lock:
             self._inflight += size
             if self._watcher is None or not self._watcher.is_alive():
                 self._watcher = threading.Thread(target=self._watch, name="mgkit-ledger", daemon=True)
                 self._watcher.start()
-        self._pending.put((entry, size, arrays, t0))
+        self._pending.put((pending, size))
 
     def _watch(self) -> None:
         while True:
             batch = [self._pending.get()]
             while not self._pending.empty():  # drain what queued up: one wake-up for many copies
                 batch.append(self._pending.get_nowait())
-            done, entries, size = [], [], 0
-            for entry, n, arrays, t0 in batch:
-                size += n
-                if type(entry) is _Later:
-                    try:
-                        done.extend(entry.make())
-                    except Exception:
-                        log.exception("mgkit ledger: events made after the work could not be made")
-                    continue
-                try:
-                    for a in arrays:
-                        a.block_until_ready()
-                    seconds, info = time.perf_counter() - t0, None
-                except Exception as e:  # noqa: BLE001 - failed work is recorded, not lost
-                    seconds, info = time.perf_counter() - t0, {"error": repr(e)}
-                if type(entry) is _Recorded:
-                    if info is None:
-                        entries.append(entry._replace(seconds=seconds))
-                        continue
-                    entry = entry.events()
-                for event in _timed(entry, seconds):
-                    extra = {} if info is None else {"info": {**(event.info or {}), **info}}
-                    done.append(event._replace(**extra))
-            del batch, arrays
+            size = sum(n for _, n in batch)
             try:
-                if done:
-                    self._record_all(done)
-                for entry in entries:
-                    self._record_layout(entry)
+                events: list[Event] = []
+                for pending, _ in batch:
+                    for entry in pending.finish():
+                        if type(entry) is Call:
+                            self._record_call(entry)
+                        else:
+                            events.append(entry)
+                del batch, pending
+                if events:
+                    self._record_all(events)
             finally:
                 with self._lock:
                     self._inflight -= size
