@@ -16,7 +16,7 @@ import numpy as np
 from . import _contexts
 from ._contexts import HOST_CONTEXT, Context, resolve
 from ._errors import ContextError
-from ._ledger import Event, execution_label, ledger
+from ._ledger import Event, Kind, execution_label, ledger
 
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
 
@@ -268,7 +268,7 @@ def put(tree: Any, ctx: str | jax.Device) -> Any:
             f"put(tree, {ctx!r}): put places data on a device context; to bring arrays back to "
             "host numpy use mg.transfer(tree, 'cpu')"
         )
-    return _move(tree, ctx, "put", "put")
+    return _move(tree, ctx, Kind.PUT, "put")
 
 
 def transfer(tree: Any, ctx: str | jax.Device) -> Any:
@@ -284,12 +284,12 @@ def transfer(tree: Any, ctx: str | jax.Device) -> Any:
     >>> type(mg.transfer(x, "cpu")).__name__
     'ndarray'
     """
-    return _move(tree, ctx, "transfer", "transfer")
+    return _move(tree, ctx, Kind.TRANSFER, "transfer")
 
 
 def colocate(*trees: Any, to: str | jax.Device) -> tuple:
-    """Moves several pytrees onto one context so they can be combined (cutorch's
-    ``matrix2:add(matrix1)`` across GPUs).
+    """Moves several pytrees onto one context so they can be combined (adding two arrays that
+    live on different devices, say).
 
     >>> import mgkit as mg, numpy as np
     >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
@@ -300,7 +300,7 @@ def colocate(*trees: Any, to: str | jax.Device) -> tuple:
     """
     if not trees:
         raise TypeError("colocate(*trees, to=ctx) needs at least one tree to move")
-    return tuple(_move(t, to, "colocate", "colocate") for t in trees)
+    return tuple(_move(t, to, Kind.COLOCATE, "colocate") for t in trees)
 
 
 def where(tree: Any) -> str | dict:
@@ -314,7 +314,7 @@ def where(tree: Any) -> str | dict:
 
 
 def synchronize(ctx: str | jax.Device | None = None) -> None:
-    """Waits for all work dispatched on every context, or on one (cutorch's ``synchronize()``).
+    """Waits for all work dispatched on every context, or on one (a barrier before timing or reading results).
 
     Also waits until every copy in flight is recorded in the ledger.
     """

@@ -18,7 +18,7 @@ import warnings
 from typing import Any
 
 from . import _beat
-from ._ledger import Event, execution_label, ledger
+from ._ledger import KERNEL, Event, Kind, execution_label, ledger
 from ._numbers import real
 
 
@@ -113,9 +113,9 @@ class watchdog:  # noqa: N801 - used like a function: `with mg.watchdog(stall_af
         now = time.time()
         ledger().record(
             Event(
-                "stall",
-                "kernel",
-                "kernel",
+                Kind.STALL,
+                KERNEL,
+                KERNEL,
                 "host",
                 "host",
                 0,

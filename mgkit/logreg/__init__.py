@@ -1,7 +1,7 @@
 """Logistic regression on many devices: one model data-parallel, one model per device, or many
 models per device.
 
-The objective is Theano's (seed 000): ``mean(log-loss) + l2 * ||w||^2``, the intercept not
+The objective is ``mean(log-loss) + l2 * ||w||^2``, the intercept not
 penalised. scikit-learn's ``LogisticRegression(C=C)`` minimises the same function with
 ``l2 = 1 / (2 * C * n_samples)``. Two classes use the sigmoid and a weight vector ``w`` of shape
 ``(d,)``; k > 2 classes use the softmax and ``w`` of shape ``(d, k)``.

@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import _spmd
 from .._contexts import HOST_CONTEXT
+from .._ledger import Kind
 from .._numbers import real, whole
 from .._spmd import Targets
 from .._transfer import place
@@ -80,7 +81,7 @@ def check_finite(arrays: list, names: list[str], where: str) -> None:
 def encode(y: Any, n: int, where: str, name: str = "y") -> tuple[np.ndarray, np.ndarray]:
     """Labels -> (class index per row, int32; the sorted distinct labels)."""
     if isinstance(y, jax.Array):
-        y = place([y], HOST_CONTEXT, "transfer")[0]
+        y = place([y], HOST_CONTEXT, Kind.TRANSFER)[0]
     y = np.asarray(y)
     if y.ndim != 1:
         raise ValueError(
@@ -185,7 +186,7 @@ def weights(w: Any, n: int, where: str) -> tuple[np.ndarray, float]:
     where summed on the devices they gave a zero model. C counts the sum as given."""
     expected = f"expected {n} real numbers >= 0, one weight per row"
     if isinstance(w, jax.Array):
-        w = place([w], HOST_CONTEXT, "transfer")[0]
+        w = place([w], HOST_CONTEXT, Kind.TRANSFER)[0]
     if isinstance(w, Mapping | set | str | bytes):
         raise TypeError(f"{where}: sample_weight is a {type(w).__name__}; {expected}")
     try:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _contexts, _spmd
+from .._ledger import Kind
 from .._spmd import Batch, Targets
 from .._transfer import place, staged
 from ._checks import (
@@ -161,44 +162,9 @@ def _names(*names: str) -> Callable[[int], str]:
     return lambda i: names[i]
 
 
-def fit_per_device(
-    data: Mapping[str, tuple] | Callable[[str], tuple],
-    l2: Any = None,
-    *,
-    C: Any = None,
-    solver: str = "auto",
-    max_iter: int | None = None,
-    tol: float = 1e-5,
-    learning_rate: float = 0.1,
-    init: Any = None,
-    contexts: Any = None,
-    progress: bool | None = None,
-) -> dict[str, Model]:
-    """Fits one model per context, each on its own data and device, all at once (seed 000).
-
-    Args:
-      data: ``{context: (X, y)}``, or a function ``context -> (X, y)`` that makes each
-        context's data; it runs inside ``mg.on(context)``, so arrays it creates land there.
-      l2, C: the penalty, shared by every model, or a ``{context: value}`` mapping of
-        private values. Default: ``C=1`` as in scikit-learn; ``C=np.inf``: no penalty.
-      init: a Model or ``(w, b)`` for every context, or a ``{context: ...}`` mapping.
-      contexts: with a data function, the contexts to fit on (default: every context).
-      solver, max_iter, tol, learning_rate, progress: as in ``fit``.
-
-    Returns:
-      ``{context: Model}``; each model's arrays live on its context's device.
-
-    >>> import mgkit as mg, numpy as np
-    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
-    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]])
-    >>> models = mg.logreg.fit_per_device({"a": (X, [0, 0, 1, 1]), "b": (X, [1, 1, 0, 0])}, l2=0.01)
-    >>> {k: mg.logreg.predict(m, X).tolist() for k, m in models.items()}
-    {'a': [0, 0, 1, 1], 'b': [1, 1, 0, 0]}
-    >>> mg.where(models["b"].w)
-    'b'
-    """
-    where = "logreg.fit_per_device"
-    opts = options(solver, max_iter, tol, learning_rate, progress, where)
+def _per_device_data(data: Any, contexts: Any, where: str) -> tuple[Any, list[tuple]]:
+    """``fit_per_device``'s data, checked: the contexts it names and, per context, its
+    ``(X, y_idx, classes)``; a data function is run inside ``mg.on`` of each context."""
     if callable(data) and not isinstance(data, Mapping):
         targets = _spmd.resolve(contexts, where)
         made = {}
@@ -231,6 +197,48 @@ def fit_per_device(
         X = check_X(pair[0], where, f"X for context {name!r}")
         y_idx, classes = encode(pair[1], X.shape[0], where, f"y for context {name!r}")
         parts.append((X, y_idx, classes))
+    return targets, parts
+
+
+def fit_per_device(
+    data: Mapping[str, tuple] | Callable[[str], tuple],
+    l2: Any = None,
+    *,
+    C: Any = None,
+    solver: str = "auto",
+    max_iter: int | None = None,
+    tol: float = 1e-5,
+    learning_rate: float = 0.1,
+    init: Any = None,
+    contexts: Any = None,
+    progress: bool | None = None,
+) -> dict[str, Model]:
+    """Fits one model per context, each on its own data and device, all at once.
+
+    Args:
+      data: ``{context: (X, y)}``, or a function ``context -> (X, y)`` that makes each
+        context's data; it runs inside ``mg.on(context)``, so arrays it creates land there.
+      l2, C: the penalty, shared by every model, or a ``{context: value}`` mapping of
+        private values. Default: ``C=1`` as in scikit-learn; ``C=np.inf``: no penalty.
+      init: a Model or ``(w, b)`` for every context, or a ``{context: ...}`` mapping.
+      contexts: with a data function, the contexts to fit on (default: every context).
+      solver, max_iter, tol, learning_rate, progress: as in ``fit``.
+
+    Returns:
+      ``{context: Model}``; each model's arrays live on its context's device.
+
+    >>> import mgkit as mg, numpy as np
+    >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+    >>> X = np.array([[-2.0], [-1.0], [1.0], [2.0]])
+    >>> models = mg.logreg.fit_per_device({"a": (X, [0, 0, 1, 1]), "b": (X, [1, 1, 0, 0])}, l2=0.01)
+    >>> {k: mg.logreg.predict(m, X).tolist() for k, m in models.items()}
+    {'a': [0, 0, 1, 1], 'b': [1, 1, 0, 0]}
+    >>> mg.where(models["b"].w)
+    'b'
+    """
+    where = "logreg.fit_per_device"
+    opts = options(solver, max_iter, tol, learning_rate, progress, where)
+    targets, parts = _per_device_data(data, contexts, where)
     l2s = private(l2, targets, where, "l2")
     Cs = private(C, targets, where, "C")
     inits = private(init, targets, where, "init")
@@ -286,7 +294,7 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, dtype) -> Jo
     # host X bound for CPU devices are copied all at once, over two threads (eight 1.25 MB
     # copies one after another take twice as long)
     Xs = [
-        place([X], ctx, "put", private=True)[0]
+        place([X], ctx, Kind.PUT, private=True)[0]
         for X, ctx in zip(staged([X for X, _, _ in parts], targets.devices), targets.contexts, strict=True)
     ]
     sharding = jax.sharding.NamedSharding(_spmd.mesh(targets.devices), ROWS)
@@ -316,10 +324,10 @@ def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> 
     jobs: list[Job] = []
     slots: list = [None] * len(parts)
     for (_, spec, _), members in groups.items():
-        Xs = tuple(place([parts[i][0]], targets.contexts[i], "put")[0] for i in members)
+        Xs = tuple(place([parts[i][0]], targets.contexts[i], Kind.PUT)[0] for i in members)
         # the group's labels, penalties and starts: one placement (row weights are made there)
         rows = per_device_rows(*([seq[i] for i in members] for seq in (parts, penalties, starts)), dtype)
-        (rows,) = place([rows.reshape(len(members), -1)], targets.contexts[members[0]], "put")
+        (rows,) = place([rows.reshape(len(members), -1)], targets.contexts[members[0]], Kind.PUT)
         stacked = len(members) > 1
         program = per_device_program(spec, stacked)
         jobs.append(
@@ -460,7 +468,7 @@ def _many_jobs(
             b0=parts.b0[part],
             l2=parts.l2[part],
         )
-        args = Args(*place(list(mine), ctx, "replicate"))
+        args = Args(*place(list(mine), ctx, Kind.REPLICATE))
         program = local_program(spec)
         jobs.append(Job(spec, lambda _, program=program: program, (args, *scalars), [i]))
         slots += [(i, j) for j in range(m)]
@@ -472,6 +480,6 @@ def _gathered(jobs: list[Job], targets: Targets) -> tuple:
     first = targets.contexts[0]
     if targets.spmd:
         got = {"from": "+".join(targets.names)}
-        return tuple(place(list(jobs[0].result[:2]), first, "gather", got))
-    moved = [place(list(job.result[:2]), first, "gather") for job in jobs]
+        return tuple(place(list(jobs[0].result[:2]), first, Kind.GATHER, got))
+    moved = [place(list(job.result[:2]), first, Kind.GATHER) for job in jobs]
     return tuple(jnp.concatenate(f, axis=1 - j) for j, f in enumerate(zip(*moved, strict=True)))

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .. import _contexts
+from .._ledger import Kind
 from .._numbers import real
 from .._transfer import place
 
@@ -307,7 +308,7 @@ def _follow(a: Any, X: Any) -> Any:
         return a
     if len(X.devices()) == 1:
         (device,) = X.devices()
-        return place([a], _contexts.context_of(device), "transfer")[0]
+        return place([a], _contexts.context_of(device), Kind.TRANSFER)[0]
     return jax.device_put(a, X.sharding.with_spec(P()) if hasattr(X.sharding, "with_spec") else X.sharding)
 
 
