@@ -11,6 +11,7 @@ the watchdog, and on the first failure stops the rest: SIGTERM, then SIGKILL aft
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import queue
@@ -25,9 +26,10 @@ import time
 from collections import deque
 from typing import Any
 
-from .._ledger import Event, execution_label, ledger
+from .._ledger import execution_label, ledger
 from . import _check, _plan, _wire
 from ._child import EXIT_LIFELINE
+from ._events import launch_event
 from ._result import LaunchError, LaunchResult, RankInfo
 
 POLL = 0.02  # seconds between two looks at the ranks' exits
@@ -52,6 +54,7 @@ _SIGNAL_HINTS = {
 }
 
 _current: list[_Group] = []  # the launch running now, for the views
+_launches = itertools.count(1)  # numbers the launches of this kernel, for their ledger events
 
 
 class _Rank:
@@ -94,6 +97,7 @@ class _Group:
         self.failure: dict | None = None
         self.t0 = time.perf_counter()
         self.label = execution_label()
+        self.launch = next(_launches)
 
     # ------------------------------------------------------------------ starting
 
@@ -555,22 +559,7 @@ class _Group:
         )
 
     def _record(self, r: _Rank, what: str, nbytes: int, seconds: float) -> None:
-        info = r.info
-        device = info.devices[0] if info.devices else "host"
-        ledger().record(
-            Event(
-                "launch",
-                "kernel",
-                f"rank{r.rank}",
-                "host",
-                device,
-                nbytes,
-                time.time() - seconds,
-                seconds,
-                self.label,
-                {"event": what, "pid": info.pid, "devices": info.devices, "state": info.state},
-            )
-        )
+        ledger().record(launch_event(r.info, what, nbytes, seconds, self.label, self.launch))
 
     def snapshot(self) -> tuple[str, tuple[RankInfo, ...]]:
         elapsed = time.perf_counter() - self.t0
