@@ -76,8 +76,8 @@ class _Rank:
         self.stalled = False
         self.exited = False
         self.result: bytes | None = None
-        self.error: dict | None = None
-        self.unsendable: dict | None = None
+        self.error: _wire.Error | None = None
+        self.unsendable: _wire.Unsendable | None = None
         self.err_tail: deque[str] = deque(maxlen=200)
         self.readers: list[threading.Thread] = []
         self.messages_done = threading.Event()
@@ -146,19 +146,10 @@ class _Group:
 
     def _read_messages(self, r: _Rank, fd: int) -> None:
         try:
-            while True:
-                data = _wire.recv_bytes(fd)
-                if data is None:
-                    break
-                message = pickle.loads(data)
-                if message[0] == "result":
-                    blob = _wire.recv_bytes(fd)
-                    if blob is None:
-                        break
-                    message = ("result", blob)
+            while (message := _wire.read_message(fd)) is not None:
                 self.events.put((r, "msg", message))
-        except (OSError, pickle.UnpicklingError, EOFError):
-            pass
+        except (OSError, pickle.UnpicklingError, EOFError, KeyError, TypeError):
+            pass  # a rank cut off mid-message: its exit tells the story
         finally:
             os.close(fd)
             r.messages_done.set()
@@ -213,32 +204,32 @@ class _Group:
         if self.stream:
             print(f"[rank {r.rank}] {payload}", file=sys.stderr if kind == "err" else sys.stdout, flush=True)
 
-    def _message(self, r: _Rank, message: tuple) -> None:
-        what, info, now = message[0], r.info, time.perf_counter()
-        if what == "started":
-            r.started = True
-        elif what == "ready":
-            r.ready_at = now
-            info.devices = tuple(message[1]["devices"])
-            info.ready_seconds = now - r.spawned
-            info.state = "running"
-            self._record(r, "ready", 0, info.ready_seconds)
-        elif what == "beat":
-            _, step, wall, slowest = message
-            if r.beats == 0 and r.ready_at is not None:
-                r.first_step = now - r.ready_at
-            r.beats += 1
-            r.last_beat, r.slowest = now, slowest
-            info.step, info.beat_at = step, wall
-            if r.stalled:
-                r.stalled = False
+    def _message(self, r: _Rank, message: _wire.Message) -> None:
+        info, now = r.info, time.perf_counter()
+        match message:
+            case _wire.Started():
+                r.started = True
+            case _wire.Ready(devices):
+                r.ready_at = now
+                info.devices = tuple(devices)
+                info.ready_seconds = now - r.spawned
                 info.state = "running"
-        elif what == "result":
-            r.result = message[1]
-        elif what == "error":
-            r.error = message[1]
-        elif what == "unsendable":
-            r.unsendable = message[1]
+                self._record(r, "ready", 0, info.ready_seconds)
+            case _wire.Beat(step, wall, slowest):
+                if r.beats == 0 and r.ready_at is not None:
+                    r.first_step = now - r.ready_at
+                r.beats += 1
+                r.last_beat, r.slowest = now, slowest
+                info.step, info.beat_at = step, wall
+                if r.stalled:
+                    r.stalled = False
+                    info.state = "running"
+            case _wire.Result(value):
+                r.result = value
+            case _wire.Error():
+                r.error = message
+            case _wire.Unsendable():
+                r.unsendable = message
 
     def _exited(self, r: _Rank) -> None:
         """Classifies a rank that exited, once its pipes delivered their last words."""
@@ -334,26 +325,22 @@ class _Group:
     def _cause(self, r: _Rank, code: int) -> dict:
         if r.error is not None:
             e = r.error
-            during = " while starting" if e.get("during") == "start" else ""
-            said = f"called sys.exit({e['message']})" if e["type"] == "SystemExit" else "raised"
+            during = " while starting" if e.during == "start" else ""
+            said = f"called sys.exit({e.message})" if e.type == "SystemExit" else "raised"
             return {
-                "kind": "exited" if e["type"] == "SystemExit" else "raised",
-                "reason": (
-                    f"{said}{during}"
-                    if e["type"] == "SystemExit"
-                    else f"raised {e['type']}: {e['message']}{during}"
-                ),
-                "exception_type": e["type"],
-                "traceback": _check.restore_files(e["traceback"], self.fn),
-                "exception": _load_exception(e.get("exception")),
+                "kind": "exited" if e.type == "SystemExit" else "raised",
+                "reason": f"{said}{during}" if said != "raised" else f"raised {e.type}: {e.message}{during}",
+                "exception_type": e.type,
+                "traceback": _check.restore_files(e.traceback, self.fn),
+                "exception": _load_exception(e.exception),
             }
         if r.unsendable is not None:
             u = r.unsendable
             return {
                 "kind": "unsendable",
                 "reason": (
-                    f"returned a {u['type']}, which cannot be sent back to the kernel: {u['part']} "
-                    f"cannot be pickled ({u['message']}); return plain data instead (numbers, numpy "
+                    f"returned a {u.type}, which cannot be sent back to the kernel: {u.part} "
+                    f"cannot be pickled ({u.message}); return plain data instead (numbers, numpy "
                     "arrays, dicts and lists of them)"
                 ),
             }
