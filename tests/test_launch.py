@@ -206,7 +206,7 @@ def test_interrupt_stops_all_within_grace_then_relaunch_works():
 
     def interrupt():
         while not pids:
-            state = mg.launching._launch.current()
+            state = mg.launching.current()
             if state and all(r.state == "running" for r in state[1]):
                 pids.extend(r.pid for r in state[1])
                 break

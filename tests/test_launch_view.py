@@ -1,5 +1,5 @@
 """The launch view: per rank its devices, state, heartbeat age and last output lines, from the
-running launch (``launching._launch.current``), the last one it watched, or the ledger; the
+running launch (``mg.launching.current``), the last one it watched, or the ledger; the
 Dashboard's launch row; one real launch watched live."""
 
 import time
@@ -8,7 +8,7 @@ import pytest
 
 import mgkit as mg
 from mgkit._ledger import Event, Ledger
-from mgkit.launching import RankInfo, _launch
+from mgkit.launching import RankInfo, Running, _launch
 
 NONE = "mgkit launch: none yet; mg.launch(fn, nprocs=...) shows its ranks here as they run"
 
@@ -29,13 +29,20 @@ def _rank(rank, state, devices=None, step=None, beat=None, tail=(), started=None
     return info
 
 
+class _Launch:
+    """Stands for a running launch in the list ``mg.launching.current()`` reads."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+
 @pytest.fixture
 def running(monkeypatch):
     """Sets the launch that ``current()`` reports: running(ranks), or running(None) for none."""
 
     def set_ranks(ranks):
-        value = None if ranks is None else ("mg.launch: test", tuple(ranks))
-        monkeypatch.setattr(_launch, "current", lambda: value)
+        value = [] if ranks is None else [_Launch(lambda: Running("mg.launch: test", tuple(ranks)))]
+        monkeypatch.setattr(_launch, "_current", value)
 
     return set_ranks
 
@@ -70,7 +77,7 @@ def test_a_launch_ending_between_two_reads_is_no_launch(monkeypatch):
     def ended():
         raise IndexError("pop from empty list")
 
-    monkeypatch.setattr(_launch, "current", ended)
+    monkeypatch.setattr(_launch, "_current", [_Launch(ended)])
     assert repr(mg.LaunchView(widget=False)) == NONE
 
 

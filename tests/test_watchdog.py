@@ -1,4 +1,4 @@
-"""mg.beat and mg.watchdog in one process, and how mg.launch's watchdog learns its limit."""
+"""mg.beat and mg.watchdog in one process (mg.launch's watchdog: tests/test_launch_watchdog.py)."""
 
 import time
 import warnings
@@ -9,7 +9,6 @@ import optax
 import pytest
 
 import mgkit as mg
-from mgkit.launching import _launch
 
 
 def test_watchdog_warns_once_per_stall_with_the_watched_stack():
@@ -65,36 +64,3 @@ def test_watchdog_interrupt_breaks_a_python_hang():
             while time.perf_counter() - t0 < 10:
                 time.sleep(0.01)
     assert time.perf_counter() - t0 < 3
-
-
-class _FakeRank:
-    def __init__(self, beats, slowest, first_step, silent):
-        now = 1000.0
-        self.exited, self.stalled, self.ready_at = False, False, now - silent - 1
-        self.beats, self.slowest, self.first_step = beats, slowest, first_step
-        self.last_beat = now - silent if beats else None
-
-
-@pytest.mark.parametrize(
-    ("beats", "slowest", "first_step", "silent", "stalled", "collectives"),
-    [
-        (0, 0.0, None, 500.0, False, None),  # before the first step (compiling): not judged
-        (0, 0.0, None, 24.0, False, 20),  # ... unless distributed: the collectives' timeout + 5 s
-        (0, 0.0, None, 26.0, True, 20),
-        (5, 4.0, 30.0, 21.0, True, 300),  # the learned limit when it is lower
-        (1, 0.0, 1.0, 9.0, False, None),  # floor: 10 s
-        (1, 0.0, 1.0, 11.0, True, None),
-        (1, 0.0, 30.0, 100.0, False, None),  # one step seen (with its compile): 5 x 30 s
-        (5, 4.0, 30.0, 19.0, False, None),  # from the second step on: 5 x the slowest (4 s)
-        (5, 4.0, 30.0, 21.0, True, None),
-    ],
-)
-def test_the_learned_stall_limit(beats, slowest, first_step, silent, stalled, collectives, monkeypatch):
-    found = []
-    group = object.__new__(_launch._Group)
-    config = None if collectives is None else {"collectives": collectives}
-    group.plan = type("Plan", (), {"stall_after": None, "distributed": config})()
-    group.ranks = [_FakeRank(beats, slowest, first_step, silent)]
-    monkeypatch.setattr(group, "_stalled", found.extend, raising=False)
-    group._watch(1000.0)
-    assert bool(found) == stalled

@@ -1,11 +1,31 @@
 """Launching: ``mg.launch`` runs a function in one fresh process per device (or group of
 devices), with ``jax.distributed`` when asked, and supervises them; ``mg.beat`` and
-``mg.watchdog`` turn a silent hang into a report with every stack."""
+``mg.watchdog`` turn a silent hang into a report with every stack.
+
+For the views: ``current()`` is the launch running now (``Running``: its title and each rank's
+``RankInfo``, which keeps its last ``TAIL`` output lines), and ``rank_event`` reads a finished
+launch's ledger events back (``RankEvent``)."""
 
 from .._beat import beat as beat
+from ._events import RankEvent as RankEvent
+from ._events import rank_event as rank_event
+from ._launch import Running as Running
+from ._launch import current as current
 from ._launch import launch as launch
+from ._result import TAIL as TAIL
 from ._result import LaunchError as LaunchError
 from ._result import LaunchResult as LaunchResult
 from ._result import RankInfo as RankInfo
 
-__all__ = ["LaunchError", "LaunchResult", "RankInfo", "beat", "launch"]
+__all__ = [
+    "TAIL",
+    "LaunchError",
+    "LaunchResult",
+    "RankEvent",
+    "RankInfo",
+    "Running",
+    "beat",
+    "current",
+    "launch",
+    "rank_event",
+]

@@ -35,7 +35,8 @@ def _lifeline(fd: int) -> None:
     os._exit(EXIT_LIFELINE)
 
 
-def _describe(exc: BaseException) -> dict:
+def _describe(exc: BaseException, during: str) -> _wire.Error:
+    """The message that reports ``exc``, raised while starting (``during="start"``) or running."""
     kind = type(exc)
     name = (
         kind.__qualname__
@@ -49,12 +50,8 @@ def _describe(exc: BaseException) -> dict:
         pickle.loads(blob)
     except Exception:  # noqa: BLE001 - the text below is enough when the exception cannot travel
         blob = None
-    return {
-        "type": name,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))),
-        "exception": blob,
-    }
+    text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    return _wire.Error(name, str(exc), text, blob, during)
 
 
 def _user_frames(tb):
@@ -123,7 +120,7 @@ def main(argv: list[str]) -> None:
     stacks = open(header["stacks"], "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr)
-    channel.send(("started", None))  # from now on SIGUSR1 writes the stacks, nothing worse
+    channel.send(_wire.Started())  # from now on SIGUSR1 writes the stacks, nothing worse
     t0 = time.perf_counter()
     try:
         import cloudpickle
@@ -140,19 +137,19 @@ def main(argv: list[str]) -> None:
         shared = cloudpickle.loads(frames[2])
         private = cloudpickle.loads(frames[3])
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank exits
-        channel.send(("error", {**_describe(exc), "during": "start"}))
+        channel.send(_describe(exc, "start"))
         _finish(1)
-    channel.send(("ready", {"devices": devices, "seconds": time.perf_counter() - t0}))
+    channel.send(_wire.Ready(tuple(devices), time.perf_counter() - t0))
     _beat.attach(channel)
     code = 0
     try:
         value = fn(rank, shared, private)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-        channel.send(("error", {**_describe(exc), "during": "run"}))
+        channel.send(_describe(exc, "run"))
         _finish(code)
     except BaseException as exc:  # noqa: BLE001
-        channel.send(("error", {**_describe(exc), "during": "run"}))
+        channel.send(_describe(exc, "run"))
         _finish(1)
     try:
         blob = cloudpickle.dumps(value)
@@ -163,10 +160,9 @@ def main(argv: list[str]) -> None:
         except _check.SendError as exc:
             part = str(exc.args[0]).split(" to the ranks: ")[0].removeprefix("mg.launch cannot send ")
             cause = str(exc.__cause__ or exc)
-        channel.send(("unsendable", {"type": type(value).__qualname__, "part": part, "message": cause}))
+        channel.send(_wire.Unsendable(type(value).__qualname__, part, cause))
         _finish(1)
-    channel.send_raw(pickle.dumps(("result", len(blob))))
-    channel.send_raw(blob)
+    channel.send_result(blob)
     if header["distributed"]:
         try:
             jax.distributed.shutdown()

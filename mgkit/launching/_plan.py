@@ -18,6 +18,7 @@ import jax
 from .._devices import backend_started
 from .._numbers import real, whole
 from . import _check
+from ._processes import stacks_path
 
 # jax.distributed's heartbeat, initialisation and shutdown timeouts (JAX's: 100, 300, 300 s), and
 # how long a rank of a distributed launch may be silent (no mg.beat) before the watchdog stops the
@@ -30,17 +31,24 @@ _OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "MG
 
 
 @dataclass
-class _Plan:
+class Plan:
+    """A launch, checked: what each rank gets and the limits it runs under."""
+
     nprocs: int
     platform: str  # "cpu" or "gpu"
     groups: list[list[str]]  # per rank: CUDA ids, or CPU device names
-    envs: list[dict[str, str]]
+    envs: list[dict[str, str]]  # per rank: its whole environment
     frames: list[list[bytes]]  # per rank: header, fn, shared, private
-    distributed: dict | None
-    timeout: float | None
-    grace: float
-    stall_after: float | None
-    on_stall: str
+    distributed: dict | None  # jax.distributed's address and timeouts; None when not distributed
+    timeout: float | None  # seconds for the whole launch
+    grace: float  # seconds between SIGTERM and SIGKILL
+    stall_after: float | None  # seconds of silence that make a stall (None: learned)
+    on_stall: str  # "raise" or "warn"
+
+    @property
+    def collectives(self) -> float | None:
+        """The collectives' timeout of a distributed launch, in seconds (None when not distributed)."""
+        return None if self.distributed is None else self.distributed["collectives"]
 
 
 def _pool() -> tuple[str, list[str]]:
@@ -268,7 +276,7 @@ def plan(
     stall_after: Any,
     on_stall: Any,
     stacks_dir: str,
-) -> _Plan:
+) -> Plan:
     """Checks every argument and pickles what goes to the ranks, before any process starts."""
     _check.check_signature(fn)
     if not isinstance(distributed, bool):
@@ -306,9 +314,9 @@ def plan(
         header = {
             "rank": r,
             "sys_path": [p for p in sys.path if p],
-            "stacks": os.path.join(stacks_dir, f"rank{r}.txt"),
+            "stacks": stacks_path(stacks_dir, r),
             "distributed": None if config is None else {**config, "process_id": r},
         }
         frames.append([pickle.dumps(header), fn_bytes, shared_bytes, private_bytes[r]])
         envs.append(_env(extra, platform, groups[r], r, config, nprocs))
-    return _Plan(nprocs, platform, groups, envs, frames, config, timeout, grace, stall_after, on_stall)
+    return Plan(nprocs, platform, groups, envs, frames, config, timeout, grace, stall_after, on_stall)

@@ -1,12 +1,16 @@
 """What a launch gives back: ``LaunchResult`` (values, per-rank wall time and exit status),
-``LaunchError`` (the root cause, with the rest of the group's fate) and ``RankInfo`` (one rank)."""
+``LaunchError`` (the root cause, with the rest of the group's fate), ``RankInfo`` (one rank), and
+``Failure`` (the facts of the failure that ends a launch, from which its error is written)."""
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 from .._table import Table
 
@@ -102,3 +106,80 @@ def rank_row(r: RankInfo) -> tuple:
         "" if r.seconds is None else round(r.seconds, 2),
         "" if r.exit_code is None else r.exit_code,
     )
+
+
+class Failure(NamedTuple):
+    """What ended a launch, as its ``LaunchError`` reports it."""
+
+    kind: str  # raised, exited, signal, unsendable, stalled or timeout (LaunchError.kind)
+    reason: str  # what the root-cause rank did, in words ("raised ValueError: bad row")
+    exception_type: str = ""  # the exception's type name, when it raised
+    traceback: str = ""  # its traceback text, when it raised
+    exception: BaseException | None = None  # the exception itself, when it could be sent back
+    stacks: Mapping[int, str] = MappingProxyType({})  # rank -> its Python stacks (stall, timeout)
+
+
+def launch_error(
+    head: str, failure: Failure, ranks: Sequence[RankInfo], root: int | None, results: Sequence[bytes | None]
+) -> LaunchError:
+    """The error that ends a launch: ``head``, then every rank's fate, then the root-cause rank's
+    traceback (or its last output) and the stacks taken.
+
+    Args:
+      head: the first line, naming the root cause.
+      failure: its facts.
+      ranks: every rank's final ``RankInfo``, in rank order.
+      root: the root-cause rank (None for a timeout of the whole group).
+      results: each rank's pickled value, None where it did not finish.
+    """
+    values = [None if blob is None else load_value(blob, rank) for rank, blob in enumerate(results)]
+    done = [rank for rank, blob in enumerate(results) if blob is not None]
+    lines = [head, "", "ranks:"]
+    for info in ranks:
+        what = info.reason if info.reason and info.rank != root else info.status()
+        lines.append(f"  rank {info.rank} (pid {info.pid}, {','.join(info.devices)}): {what}")
+    if done:
+        lines.append(f"finished ranks' values are kept in this error's .values (ranks {done})")
+    if failure.traceback:
+        lines += ["", f"traceback from rank {root}:", failure.traceback.rstrip()]
+    elif root is not None and ranks[root].tail:
+        lines += ["", f"last output of rank {root}:", *ranks[root].tail]
+    if failure.stacks:
+        lines += ["", steps_text(ranks), stacks_text(failure.stacks)]
+    return LaunchError(
+        "\n".join(lines),
+        kind=failure.kind,
+        rank=root,
+        pid=None if root is None else ranks[root].pid,
+        exception=failure.exception,
+        exception_type=failure.exception_type,
+        traceback=failure.traceback,
+        values=values,
+        done=done,
+        ranks=tuple(ranks),
+        stacks=dict(failure.stacks),
+    )
+
+
+def steps_text(ranks: Sequence[RankInfo]) -> str:
+    """``last completed steps: rank 0: step 5, rank 1: no step``."""
+    parts = [f"rank {r.rank}: {'no step' if r.step is None else f'step {r.step}'}" for r in ranks]
+    return "last completed steps: " + ", ".join(parts)
+
+
+def stacks_text(stacks: Mapping[int, str]) -> str:
+    """Each rank's Python stacks under a heading, in rank order."""
+    return "\n\n".join(f"Python stacks of rank {rank}:\n{text}" for rank, text in sorted(stacks.items()))
+
+
+def load_value(blob: bytes, rank: int) -> Any:
+    """A rank's value, unpickled in the kernel; a LaunchError (``unsendable``) when it cannot be."""
+    try:
+        return pickle.loads(blob)
+    except Exception as exc:
+        raise LaunchError(
+            f"rank {rank}'s value came back but cannot be unpickled in the kernel "
+            f"({type(exc).__name__}: {exc}); return types the kernel can import (plain data, numpy arrays)",
+            kind="unsendable",
+            rank=rank,
+        ) from exc
