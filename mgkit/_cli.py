@@ -1,5 +1,5 @@
 """The ``mgkit`` command: ``mgkit tour`` (runs the tour notebook, prints its report, writes HTML and
-PNG files), ``mgkit devices``, and ``mgkit worker`` / ``mgkit run`` (``launching._worker``)."""
+PNG files), ``mgkit devices``, and ``mgkit worker`` / ``mgkit run`` (``mgkit.launching``)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_dev.add_argument("--simulate", type=_positive_int, help="simulated CPU devices")
     p_dev.set_defaults(func=devices_cmd)
 
-    from .launching._worker import add_commands
+    from .launching import add_commands
 
     add_commands(sub, _positive_int)
     return parser

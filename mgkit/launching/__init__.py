@@ -4,7 +4,8 @@ devices), with ``jax.distributed`` when asked, and supervises them; ``mg.beat`` 
 
 For the views: ``current()`` is the launch running now (``Running``: its title and each rank's
 ``RankInfo``, which keeps its last ``TAIL`` output lines), and ``rank_event`` reads a finished
-launch's ledger events back (``RankEvent``)."""
+launch's ledger events back (``RankEvent``). For the ``mgkit`` command: ``add_commands``
+adds ``mgkit worker`` and ``mgkit run``."""
 
 from .._beat import beat as beat
 from ._events import RankEvent as RankEvent
@@ -16,6 +17,7 @@ from ._result import TAIL as TAIL
 from ._result import LaunchError as LaunchError
 from ._result import LaunchResult as LaunchResult
 from ._result import RankInfo as RankInfo
+from ._worker import add_commands as add_commands
 
 __all__ = [
     "TAIL",
@@ -24,6 +26,7 @@ __all__ = [
     "RankEvent",
     "RankInfo",
     "Running",
+    "add_commands",
     "beat",
     "current",
     "launch",

@@ -28,11 +28,9 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from .._ledger import Event
+from .._ledger import KERNEL, Event, Kind
 from ._result import RankInfo
 
-KIND = "launch"  # the ledger kind of rank events
-SOURCE = "kernel"  # their src: the process that started the ranks
 _PREFIX = "rank"  # their dst: "rank<r>"
 
 
@@ -62,8 +60,8 @@ def launch_event(
     after ``seconds`` that end now."""
     device = info.devices[0] if info.devices else "host"
     return Event(
-        KIND,
-        SOURCE,
+        Kind.LAUNCH,
+        KERNEL,
         f"{_PREFIX}{info.rank}",
         "host",
         device,
@@ -85,7 +83,7 @@ def rank_event(event: Event) -> RankEvent | None:
     >>> mg.launching.rank_event(e)[:6]
     (3, 4242, 'done', 'done', ('cpu3',), 1)
     """
-    if event.kind != KIND:
+    if event.kind != Kind.LAUNCH:
         return None
     info = event.info
     try:

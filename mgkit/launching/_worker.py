@@ -7,8 +7,8 @@ cluster detection: Slurm, Open MPI) and calls ``function(rank, shared, private)`
 ``__main__`` once JAX is up. So a job scales out with ``srun`` or ``mpirun`` and no cluster
 manager of mgkit's own.
 
-``mgkit run --devices 1 script.py`` runs a script pinned to the listed devices (seed 003's
-separate jobs on separate GPUs): ``CUDA_VISIBLE_DEVICES`` on GPUs, as many simulated CPU
+``mgkit run --devices 1 script.py`` runs a script pinned to the listed devices (separate
+jobs on separate GPUs): ``CUDA_VISIBLE_DEVICES`` on GPUs, as many simulated CPU
 devices as listed on a machine without one.
 """
 
