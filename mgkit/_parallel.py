@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _contexts, _spmd
+from . import _contexts
 from ._errors import ContextError
 from ._ledger import Event, Layout, execution_label, ledger
 from ._numbers import real
@@ -46,6 +46,7 @@ from ._spmd import (
     needs_private,
     on_clear,
     per_context,
+    place_copied,
     place_spmd,
     programs,
     record,
@@ -520,11 +521,7 @@ class _Plan(NamedTuple):
 
     def run(self, leaves: list) -> Any:
         t0, start = time.perf_counter(), time.time()
-        if self.copies:
-            leaves = list(leaves)
-            for i, c in zip(self.copies, _spmd.private([leaves[i] for i in self.copies]), strict=True):
-                leaves[i] = c
-        placed = jax.device_put(leaves, self.shardings)
+        placed = place_copied(leaves, self.shardings, self.copies)
         record(self.split, start, placed, t0, time.perf_counter() if self.at_once else None)
         start, t0 = time.time(), time.perf_counter()
         out = explained(self.program, *placed)
