@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
-from mgkit import _parallel, _spmd
+from mgkit import _spmd
 from mgkit._spmd import _placing
 
 N = 8  # contexts dev0..dev7 (conftest)
@@ -193,7 +193,7 @@ def test_a_host_split_is_timed_by_its_copy_not_by_the_program_it_feeds():
 
 
 def test_a_call_laid_out_like_one_before_does_and_records_the_same(monkeypatch):
-    # the second call runs the plan the first one left (_parallel._Plan): same results, events
+    # the second call runs the plan the first one left (_parallel._calls.Plan): same results, events
     def f(w, x):
         return x * w
 
@@ -404,9 +404,7 @@ def test_run_each_seed_001_two_dots_dispatches_before_waiting(monkeypatch):
     a1, b1 = (mg.put(rng.random((64, 64), dtype=np.float32), "dev1") for _ in range(2))
     order = []
     real_block = jax.block_until_ready
-    monkeypatch.setattr(
-        _parallel.jax, "block_until_ready", lambda x: (order.append("wait"), real_block(x))[1]
-    )
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (order.append("wait"), real_block(x))[1])
 
     def dot(a, b):
         order.append(f"run {mg.current()}")

@@ -91,9 +91,3 @@ def clear_caches() -> None:
     """
     for clear in _CLEARS:
         clear()
-
-
-def on_clear(clear: Callable[[], None]) -> None:
-    """Has :func:`clear_caches` call ``clear()`` too: for what keeps compiled programs outside
-    the caches (each wrapper's last plan)."""
-    _CLEARS.append(clear)
