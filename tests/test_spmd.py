@@ -100,6 +100,37 @@ def test_clear_caches_frees_every_program_and_what_it_closes_over():
     assert len(_spmd.programs) == 2
 
 
+def test_clear_caches_empties_every_cache_of_the_parallel_ops_and_they_compile_again():
+    traces = []
+
+    def f(v):
+        traces.append(v.shape)  # once per compilation
+        return v * 2
+
+    x = np.ones((N, 4), np.float32)
+    wrapped = mg.parallel(f)
+
+    def calls():
+        wrapped(x).block_until_ready()  # SPMD; leaves a plan
+        wrapped(x).block_until_ready()  # runs that plan
+        mg.make_parallel(f, v=x).block_until_ready()
+        mg.parallel(f, contexts=2, weights=[1, 3])(x).block_until_ready()  # one program per context
+        mg.pmap(f)(x).block_until_ready()
+
+    mg.clear_caches()
+    calls()
+    compiled = len(traces)
+    calls()
+    assert len(traces) == compiled  # every program and plan came from a cache
+    assert len(_spmd.programs) and len(_calls.plans) and len(_wrapper._MADE)
+    mg.clear_caches()
+    caches = [c for c in gc.get_objects() if isinstance(c, _spmd.Cache)]
+    assert _spmd.programs in caches and _calls.plans in caches
+    assert all(len(c) == 0 for c in caches)
+    calls()
+    assert len(traces) == 2 * compiled  # each program compiled again
+
+
 def test_a_held_wrapper_runs_its_last_plan_until_the_caches_are_cleared():
     mg.clear_caches()
     x, y = np.ones((N, 4), np.float32), np.ones((N, 3), np.float32)
