@@ -138,10 +138,11 @@ def test_a_held_wrapper_runs_its_last_plan_until_the_caches_are_cleared():
     for v in (x, x, y, y, x):  # a new layout replaces the last plan; the cache keeps both
         np.testing.assert_allclose(np.asarray(wrapped(v)), 2.0)
     assert len(_calls.plans) == 2
-    program = weakref.ref(_calls.plans.items()[-1][1].program)
+    plan = weakref.ref(_calls.plans.items()[-1][1])
+    program = weakref.ref(_spmd.programs.find(plan().program))
     mg.clear_caches()
     gc.collect()
-    assert program() is None  # the wrapper let go of it too
+    assert plan() is None and program() is None  # the wrapper let go of them too
     before = mg.ledger().totals()
     np.testing.assert_allclose(np.asarray(wrapped(x)), 2.0)
     _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)  # another map: another plan

@@ -4,8 +4,9 @@
   over distinct devices of one kind leaves a ``Plan`` in ``plans``; the next call laid out
   like it only copies, places, runs and records.
 * **compiled**: every program of the parallel ops is built here (``spmd_program``,
-  ``dispatch_program``, ``pmap_program``) and kept in the one cache of compiled programs,
-  ``_spmd.programs``. ``mg.clear_caches()`` empties it and ``plans``.
+  ``dispatch_program``, ``pmap_program``) and kept in one place, the cache of compiled
+  programs ``_spmd.programs`` (a plan holds its program's key, not the program).
+  ``mg.clear_caches()`` empties it and ``plans``.
 * **run**: ``run_spmd`` (one ``shard_map`` program over the contexts' mesh) or
   ``run_dispatch`` (one program per context, all dispatched before any is waited on).
 """
@@ -80,21 +81,23 @@ class Plan:
     shardings: list  # one per leaf: every leaf is placed
     split: Layout  # the placement's events (``record``)
     runs: Layout  # the program's run events
-    program: Callable  # from ``spmd_program`` (kept in ``programs`` too)
+    program: tuple  # the program's key in ``programs``, the one place it is kept
+    build: Callable[[], Callable]  # compiles the program when ``programs`` no longer has it
     at_once: bool  # the placement is complete when device_put returns (``lands_at_once``)
 
     def run(self, leaves: list) -> Any:
         t0, start = time.perf_counter(), time.time()
         placed = place_copied(leaves, self.shardings, self.copies)
         record(self.split, start, placed, t0, time.perf_counter() if self.at_once else None)
+        program = programs.get(self.program, self.build)
         start, t0 = time.time(), time.perf_counter()
-        out = explained(self.program, *placed)
+        out = explained(program, *placed)
         record(self.runs, start, jax.tree_util.tree_leaves(out), t0)
         return out
 
 
 # PlanKey -> Plan. The only strong reference to a plan: a wrapper keeps a weak one to its last
-# plan, so mg.clear_caches() frees every plan with its program.
+# plan, so mg.clear_caches() frees every plan with its layouts and shardings.
 plans = Cache(256)
 
 
@@ -119,9 +122,9 @@ def make_plan(key: PlanKey, batch: Batch, sizes: tuple[int, ...], out_axes: Any)
     shardings = [sharding(targets.devices, AXIS, ax) for ax in batch.axes]
     split = spmd_layout([(x, ax) for x, ax in zip(batch.leaves, batch.axes, strict=True)], targets, sizes)
     runs = run_layout(targets, sizes, key.fn, "spmd", batch.n)
-    program = spmd_program(key.fn, batch, out_axes, targets, key.where)
+    program, build = spmd_source(key.fn, batch.treedef, batch.axes, out_axes, targets, key.where)
     at_once = lands_at_once(targets.devices, sum(x.nbytes for x in batch.leaves))
-    plan = Plan(copies, shardings, split, runs, program, at_once)
+    plan = Plan(copies, shardings, split, runs, program, build, at_once)
     plans.get(key, lambda: plan)
 
 
@@ -178,22 +181,29 @@ def spmd_program(
 ) -> Callable:
     """jit(shard_map) of ``fn`` over the contexts' mesh; ``traced``: for a call inside another
     transformation (``vmap`` adds axes that fixed input shardings would not have)."""
-    key = ("spmd", fn, batch.treedef, batch.axes, hashable(out_axes), targets.devices, where, traced)
+    return programs.get(*spmd_source(fn, batch.treedef, batch.axes, out_axes, targets, where, traced))
+
+
+def spmd_source(
+    fn: Callable, treedef: Any, axes: tuple, out_axes: Any, targets: Targets, where: str, traced: bool = False
+) -> tuple[tuple, Callable[[], Callable]]:
+    """The key in ``programs`` of :func:`spmd_program`'s program, and the function that builds it."""
+    key = ("spmd", fn, treedef, axes, hashable(out_axes), targets.devices, where, traced)
 
     def build():
-        body = _checked(fn, batch.treedef, batch.axes, out_axes, len(targets.devices), where)
+        body = _checked(fn, treedef, axes, out_axes, len(targets.devices), where)
         mapped = jax.shard_map(
             body,
             mesh=mesh(targets.devices),
-            in_specs=tuple(spec(ax) for ax in batch.axes),
+            in_specs=tuple(spec(ax) for ax in axes),
             out_specs=_out_specs(out_axes, AXIS),
             check_vma=False,
         )
         if traced:
             return jax.jit(mapped)
-        return jax.jit(mapped, in_shardings=tuple(sharding(targets.devices, AXIS, ax) for ax in batch.axes))
+        return jax.jit(mapped, in_shardings=tuple(sharding(targets.devices, AXIS, ax) for ax in axes))
 
-    return programs.get(key, build)
+    return key, build
 
 
 def dispatch_program(fn: Callable, batch: Batch, out_axes: Any, k: int, where: str) -> Callable:
