@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
-from mgkit import _parallel, _spmd
+from mgkit import _spmd
+from mgkit._spmd import _placing
 
 N = 8  # contexts dev0..dev7 (conftest)
 SIZES = [0, 1, N - 1, N, N + 1, 5 * N - 1, 5 * N + 1]
@@ -165,8 +166,8 @@ def test_inputs_sharded_on_a_make_mesh_mesh_are_taken_without_a_copy(axis):
 def test_large_host_inputs_for_cpu_devices_go_through_a_private_copy(contexts, monkeypatch):
     mg.use_contexts(contexts, verbose=False)
     staged = []
-    copy = _spmd.private
-    monkeypatch.setattr(_spmd, "private", lambda vs: staged.extend(v.nbytes for v in vs) or copy(vs))
+    copy = _placing.private
+    monkeypatch.setattr(_placing, "private", lambda vs: staged.extend(v.nbytes for v in vs) or copy(vs))
     x = np.arange(4352 * 1024 * 2, dtype=np.float32).reshape(-1, 1024)  # 34 MiB: parts of 17 or 34
     out = mg.make_parallel(lambda v: v + 1, v=x)
     np.testing.assert_array_equal(np.asarray(out), x + 1)
@@ -192,7 +193,7 @@ def test_a_host_split_is_timed_by_its_copy_not_by_the_program_it_feeds():
 
 
 def test_a_call_laid_out_like_one_before_does_and_records_the_same(monkeypatch):
-    # the second call runs the plan the first one left (_parallel._Plan): same results, events
+    # the second call runs the plan the first one left (_parallel._calls.Plan): same results, events
     def f(w, x):
         return x * w
 
@@ -203,8 +204,8 @@ def test_a_call_laid_out_like_one_before_does_and_records_the_same(monkeypatch):
     before = [e._replace(start=0, seconds=0) for e in mg.ledger().records()]
     mg.ledger().clear()
     copies = []
-    real = _spmd.private
-    monkeypatch.setattr(_spmd, "private", lambda vs: copies.extend(v.nbytes for v in vs) or real(vs))
+    real = _placing.private
+    monkeypatch.setattr(_placing, "private", lambda vs: copies.extend(v.nbytes for v in vs) or real(vs))
     x2 = x + 1
     second = g(wv, x2)
     assert copies == [wv.nbytes, x2.nbytes]  # never the caller's memory on this path either
@@ -403,9 +404,7 @@ def test_run_each_seed_001_two_dots_dispatches_before_waiting(monkeypatch):
     a1, b1 = (mg.put(rng.random((64, 64), dtype=np.float32), "dev1") for _ in range(2))
     order = []
     real_block = jax.block_until_ready
-    monkeypatch.setattr(
-        _parallel.jax, "block_until_ready", lambda x: (order.append("wait"), real_block(x))[1]
-    )
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (order.append("wait"), real_block(x))[1])
 
     def dot(a, b):
         order.append(f"run {mg.current()}")

@@ -12,7 +12,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
-from mgkit import _parallel, _spmd
+from mgkit import _spmd
+from mgkit._parallel import _calls, _wrapper
 
 N = 8
 
@@ -84,12 +85,12 @@ def test_clear_caches_frees_every_program_and_what_it_closes_over():
     mg.make_parallel(f, v=x[:5]).block_until_ready()  # SPMD, padded
     mg.parallel(f, contexts=2, weights=[1, 3])(x).block_until_ready()  # one program per context
     mg.pmap(f)(x).block_until_ready()
-    assert len(_spmd.programs) >= 3 and len(_parallel._MAKE) >= 1
+    assert len(_spmd.programs) >= 3 and len(_wrapper._MADE) >= 1
     del f
     gc.collect()
     assert ref() is not None  # the cached programs hold it
     mg.clear_caches()
-    assert len(_spmd.programs) == 0 and len(_parallel._MAKE) == 0 and len(_parallel._PLANS) == 0
+    assert len(_spmd.programs) == 0 and len(_wrapper._MADE) == 0 and len(_calls.plans) == 0
     assert _spmd.mesh.cache_info().currsize == 0 and _spmd.sharding.cache_info().currsize == 0
     gc.collect()
     assert ref() is None
@@ -99,22 +100,54 @@ def test_clear_caches_frees_every_program_and_what_it_closes_over():
     assert len(_spmd.programs) == 2
 
 
+def test_clear_caches_empties_every_cache_of_the_parallel_ops_and_they_compile_again():
+    traces = []
+
+    def f(v):
+        traces.append(v.shape)  # once per compilation
+        return v * 2
+
+    x = np.ones((N, 4), np.float32)
+    wrapped = mg.parallel(f)
+
+    def calls():
+        wrapped(x).block_until_ready()  # SPMD; leaves a plan
+        wrapped(x).block_until_ready()  # runs that plan
+        mg.make_parallel(f, v=x).block_until_ready()
+        mg.parallel(f, contexts=2, weights=[1, 3])(x).block_until_ready()  # one program per context
+        mg.pmap(f)(x).block_until_ready()
+
+    mg.clear_caches()
+    calls()
+    compiled = len(traces)
+    calls()
+    assert len(traces) == compiled  # every program and plan came from a cache
+    assert len(_spmd.programs) and len(_calls.plans) and len(_wrapper._MADE)
+    mg.clear_caches()
+    caches = [c for c in gc.get_objects() if isinstance(c, _spmd.Cache)]
+    assert _spmd.programs in caches and _calls.plans in caches
+    assert all(len(c) == 0 for c in caches)
+    calls()
+    assert len(traces) == 2 * compiled  # each program compiled again
+
+
 def test_a_held_wrapper_runs_its_last_plan_until_the_caches_are_cleared():
     mg.clear_caches()
     x, y = np.ones((N, 4), np.float32), np.ones((N, 3), np.float32)
     wrapped = mg.parallel(lambda v: v * 2)
     for v in (x, x, y, y, x):  # a new layout replaces the last plan; the cache keeps both
         np.testing.assert_allclose(np.asarray(wrapped(v)), 2.0)
-    assert len(_parallel._PLANS) == 2
-    program = weakref.ref(_parallel._PLANS.items()[-1][1].program)
+    assert len(_calls.plans) == 2
+    plan = weakref.ref(_calls.plans.items()[-1][1])
+    program = weakref.ref(_spmd.programs.find(plan().program))
     mg.clear_caches()
     gc.collect()
-    assert program() is None  # the wrapper let go of it too
+    assert plan() is None and program() is None  # the wrapper let go of them too
     before = mg.ledger().totals()
     np.testing.assert_allclose(np.asarray(wrapped(x)), 2.0)
     _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)  # another map: another plan
     out = wrapped(x)
-    assert mg.where(out) == "a+b" and len(_parallel._PLANS) == 2
+    assert mg.where(out) == "a+b" and len(_calls.plans) == 2
     mg.ledger().flush()
     assert mg.ledger().totals() != before
 
