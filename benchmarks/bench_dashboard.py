@@ -45,7 +45,7 @@ from _stats import median, quartiles
 
 import mgkit as mg
 from mgkit._ledger import Event
-from mgkit._live import BUFFER
+from mgkit.views._live import BUFFER
 
 GOAL = 0.95
 

@@ -109,12 +109,12 @@ __all__ = [
 
 # Views load on first use, so `import mgkit` imports neither ipywidgets nor matplotlib.
 _LAZY = {
-    "Dashboard": "._widgets",
-    "DeviceMap": "._widgets",
-    "LaunchView": "._widgets",
-    "Schedule": "._schedule",
-    "ThroughputView": "._widgets",
-    "TransferView": "._widgets",
+    "Dashboard": ".views",
+    "DeviceMap": ".views",
+    "LaunchView": ".views",
+    "Schedule": ".views",
+    "ThroughputView": ".views",
+    "TransferView": ".views",
 }
 
 

@@ -251,7 +251,7 @@ class MgkitMagics(Magics):
 
     def _dashboard(self, args: list[str]) -> None:
         _expect("dashboard", args, 0)
-        from ._widgets import Dashboard
+        from .views import Dashboard
 
         display(Dashboard())
 

@@ -73,7 +73,7 @@ def report(out: str) -> None:
     Runs in the tour's kernel after the last cell, so it reads that kernel's ledger.
     """
     from ._ledger import ledger
-    from ._widgets import Dashboard
+    from .views import Dashboard
 
     dash = Dashboard(widget=False, live=False)
     views = (dash, dash.devices, dash.transfers, dash.throughput)

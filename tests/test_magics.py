@@ -132,9 +132,9 @@ def test_dashboard_displays_what_mgkit_dashboard_returns(shell, monkeypatch):
         made.append(Board())
         return made[-1]
 
-    import mgkit._widgets
+    import mgkit.views
 
-    monkeypatch.setattr(mgkit._widgets, "Dashboard", dashboard)
+    monkeypatch.setattr(mgkit.views, "Dashboard", dashboard)
     _, out = ok(shell, "%mgkit dashboard")
     assert len(made) == 1 and [o.data["text/plain"] for o in out.outputs] == ["the dashboard"]
 

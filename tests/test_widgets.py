@@ -16,7 +16,7 @@ import pytest
 from conftest import run_python
 
 import mgkit as mg
-from mgkit import _live, _widgets
+from mgkit.views import _base, _devicemap, _live, _svg
 from mgkit._ledger import Event, Ledger
 
 NAMES = [f"dev{i}" for i in range(8)]
@@ -116,17 +116,15 @@ def test_device_map_memory_bar_where_the_device_reports_it(monkeypatch):
 
 
 def test_device_map_shows_live_array_bytes_on_cpu_and_reads_them_at_most_once_a_second():
-    from mgkit import _widgets
-
     view = mg.DeviceMap(contexts=["dev6"], widget=True, live=False)
     before = view.rows()[0][4]
     x = mg.put(np.ones((512, 1024), np.float32), "dev6")  # 2 MiB
     assert view.rows()[0][4:6] == (before + 2 * 2**20, None)  # refresh(): a fresh reading
-    readings = _widgets.LIVE_BYTES.readings
+    readings = _devicemap.LIVE_BYTES.readings
     del x
     for _ in range(5):  # the live thread's refreshes: one reading a second at most, shared
         view._refresh(budgeted=True)
-    assert _widgets.LIVE_BYTES.readings - readings <= 1
+    assert _devicemap.LIVE_BYTES.readings - readings <= 1
     assert "(live arrays)" in view.text() and "memory: the device's allocator statistics" in view.text()
     view.close()
 
@@ -135,7 +133,7 @@ def test_live_thread_shows_the_main_threads_context():
     mg.DeviceMap(widget=False)  # a view made on the main thread follows its `mg.on` scopes
     seen = []
     with mg.on("dev5"):
-        t = threading.Thread(target=lambda: seen.append(_widgets.shown_current()))
+        t = threading.Thread(target=lambda: seen.append(_devicemap.shown_current()))
         t.start()
         t.join()
     assert seen == ["dev5"]
@@ -294,7 +292,7 @@ def test_throughput_step_time_is_per_iteration_and_lines_join_one_source():
     assert list(points.source) == ["fit", "fit", "another fit", "f (spmd)"]
     led.record(_step("dev0", 1e4, seconds=0.5, iteration=400))  # the first fit again, after the others
     view.refresh()
-    x, _ = _widgets._by_source(*view.series()["dev0"][:2], list(points.source))
+    x, _ = _svg.by_source(*view.series()["dev0"][:2], list(points.source))
     assert np.isnan(x).tolist() == [False, False, False, True, False, True, False]  # fit, another, f
     svg = view.widget.children[1].value
     # one line per source and panel, each with a marker at every point (not one element per point)
@@ -533,7 +531,7 @@ def test_missing_ipywidgets_is_an_actionable_error_only_for_widgets(monkeypatch)
         mg.Dashboard(ledger=led, widget=True)
     assert _watching(led) == 0  # nothing left behind
     assert "mgkit transfers: 0" in repr(mg.TransferView(ledger=led, widget=False))
-    monkeypatch.setattr(_widgets, "in_kernel", lambda: True)  # in a notebook, a widget is wanted
+    monkeypatch.setattr(_base, "in_kernel", lambda: True)  # in a notebook, a widget is wanted
     with pytest.raises(ImportError, match=r"mg\.DeviceMap\(\) is shown as an ipywidgets widget"):
         mg.DeviceMap()
 

@@ -586,7 +586,7 @@ class Ensemble:
         ledger's step events: the last ``steps`` rounds in which every member ran (a round is
         one step of each). An inline widget in a notebook, text elsewhere; ``.save_png(path)``
         for reports."""
-        from .._schedule import Schedule  # a view: loaded when drawn
+        from ..views import Schedule  # a view: loaded when drawn
 
         steps = whole(steps, "steps", f"{_WHERE}.schedule", lo=1, example=10, note="steps per member shown")
         token = (id(self), self._fits)

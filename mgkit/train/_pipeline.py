@@ -692,7 +692,7 @@ class Pipeline:
         per stage, a block per forward, backward and update, from the ledger's events, with the
         bubble fraction measured beside GPipe's ideal (S - 1) / (M + S - 1). An inline widget in
         a notebook, text elsewhere; ``.save_png(path)`` for reports."""
-        from .._schedule import Schedule  # a view: loaded when drawn
+        from ..views import Schedule  # a view: loaded when drawn
 
         if self._last is None:
             raise RuntimeError(

@@ -15,10 +15,10 @@ import html
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from .._ledger import Event
+from .._table import human_bytes
 from . import _svg
-from ._ledger import Event
-from ._table import human_bytes
-from ._widgets import LiveView
+from ._base import LiveView
 
 _KIND_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "update": "#2ca02c"}
 _KIND_CHARS = {"forward": "F", "backward": "B", "update": "U"}

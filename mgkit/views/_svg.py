@@ -230,3 +230,22 @@ def heatmap(
         out.append(_text(left + max(size, 120) / 2, top + size / 2 + 4, "nothing moved yet", "middle"))
     out.append("</svg>")
     return "".join(out)
+
+
+def by_source(x: np.ndarray, y: np.ndarray, sources: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """x and y regrouped by source (each source's points in order, a NaN between two sources),
+    so that a line joins the points of one fit or function even where another's come between."""
+    kinds = list(dict.fromkeys(sources))
+    if len(kinds) <= 1:
+        return x, y
+    which = np.array([kinds.index(s) for s in sources]) if len(kinds) > 8 else None
+    xs: list[np.ndarray] = []
+    ys: list[np.ndarray] = []
+    gap = np.array([np.nan])
+    for k, kind in enumerate(kinds):
+        keep = (
+            which == k if which is not None else np.fromiter((s == kind for s in sources), bool, len(sources))
+        )
+        xs += [x[keep], gap]
+        ys += [y[keep], gap]
+    return np.concatenate(xs[:-1]), np.concatenate(ys[:-1])

@@ -32,8 +32,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._ledger import Event, Ledger, events_of, ledger
-from ._numbers import real, whole
+from .._ledger import Event, Ledger, events_of, ledger
+from .._numbers import real, whole
 
 log = logging.getLogger("mgkit")
 

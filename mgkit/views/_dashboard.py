@@ -1,0 +1,111 @@
+"""The dashboard: the header, device map, transfers and throughput in one view, and the launch
+table once there has been a launch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .._ledger import Event, Ledger
+from ._base import LiveView
+from ._devicemap import DeviceMap
+from ._header import Header
+from ._launches import LaunchView
+from ._throughput import ThroughputView
+from ._transfers import TransferView
+
+
+class Dashboard(LiveView):
+    """The header, device map, transfers and throughput in one live widget (text elsewhere);
+    below them the ranks of the running or last ``mg.launch``, once there has been one.
+
+    Args:
+      contexts: show only these contexts (default: all).
+      max_rows: recent transfers listed, 1 to 1000.
+      history: throughput points kept per context, 2 to 100000.
+      rate: refreshes per second, above 0 and at most 10.
+      ledger: the ledger to follow (default ``mg.ledger()``).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while a cell runs; False:
+        only when you call ``refresh()``.
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> print(mg.Dashboard(widget=False))  # doctest: +ELLIPSIS
+    mgkit ... | jax ... | backend cpu | ...
+    <BLANKLINE>
+    mgkit device map: 2 context(s), current (*) dev0
+    ...
+    """
+
+    polls = True
+    css_class = "mgkit-dashboard"
+    figsize = (11.0, 9.0)
+
+    def __init__(
+        self,
+        contexts: Iterable[str] | None = None,
+        max_rows: int = 10,
+        history: int = 300,
+        rate: float = 10.0,
+        ledger: Ledger | None = None,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, ledger, widget, live, contexts)
+        mode = self._as_widget
+        self.header = Header(rate=min(rate, 1.0), widget=mode, live=False)
+        self.devices = DeviceMap(contexts, rate=min(rate, 2.0), widget=mode, live=False)
+        self.transfers = TransferView(contexts, max_rows, rate, self._ledger, mode, live=False)
+        self.throughput = ThroughputView(contexts, history, rate, self._ledger, mode, live=False)
+        self.launches = LaunchView(rate=min(rate, 2.0), ledger=self._ledger, widget=mode, live=False)
+        self.views = (self.header, self.devices, self.transfers, self.throughput, self.launches)
+        self._start()
+
+    def _shown(self) -> tuple[LiveView, ...]:
+        """The views shown: the launch table only once there is a launch to show."""
+        return self.views if self.launches.active else self.views[:-1]
+
+    def _show_launches(self) -> None:
+        """Adds the launch table's widget below the others when the first launch appears."""
+        with self._lock:  # the live thread and a refresh() on the main thread may both get here
+            box, launches = self._box, self.launches.widget
+            if box is not None and self.launches.active and all(c is not launches for c in box.children):
+                box.children = (*box.children, launches)
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        changed = any([view._refresh(budgeted) for view in self.views])
+        self._show_launches()
+        return changed
+
+    def _tick(self, now: float) -> bool:
+        if self.closed or now < self._next:
+            return False
+        self._next = now + 1.0 / self.rate
+        changed = any([view._tick(now) for view in self.views])
+        self._show_launches()
+        self.updates += changed
+        return changed
+
+    def close(self) -> None:
+        for view in self.views:
+            view.close()
+        super().close()
+
+    def text(self) -> str:
+        return "\n\n".join(view.text() for view in self._shown())
+
+    def html(self) -> str:
+        return "".join(view.html() for view in self._shown())
+
+    def _build(self, widgets: Any) -> Any:
+        return widgets.VBox([view.widget for view in self._shown()])
+
+    def _draw_figure(self, fig: Any) -> None:
+        grid = fig.add_gridspec(3, 2, height_ratios=[1.3, 1, 1])
+        self.devices._draw(fig.add_subplot(grid[0, 0]))
+        self.transfers._draw(fig.add_subplot(grid[0, 1]))
+        ax_rate = fig.add_subplot(grid[1, :])
+        self.throughput._draw(ax_rate, fig.add_subplot(grid[2, :], sharex=ax_rate))
+        fig.suptitle(self.header.text(), fontsize=8, family="monospace")

@@ -1,0 +1,177 @@
+"""The device map: context -> device -> platform, memory in use, the current context marked."""
+
+from __future__ import annotations
+
+import html
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from .. import _contexts, _devices
+from .._ledger import Event
+from ._base import LiveView
+from ._live import Throttled
+from ._png import LIMIT_BAR, LIVE_BAR, bar_share, draw_memory
+
+_MAIN_STACK: list[str] | None = None  # the main thread's ``mg.on`` stack, read by the live thread
+
+
+def _watch_main_stack() -> None:
+    """Keeps a reference to the main thread's ``mg.on`` scope stack (a thread-local list that
+    ``mg.on`` appends to and pops from), so the live thread can show the main thread's context."""
+    global _MAIN_STACK
+    if _MAIN_STACK is None and threading.current_thread() is threading.main_thread():
+        stack = getattr(_contexts._local, "stack", None)
+        if stack is None:
+            stack = _contexts._local.stack = []
+        _MAIN_STACK = stack
+
+
+def shown_current() -> str | None:
+    """The current context as the main thread (where cells run) sees it, from any thread."""
+    if threading.current_thread() is threading.main_thread():
+        return _contexts.current()
+    stack = _MAIN_STACK
+    if stack:
+        try:
+            return stack[-1]
+        except IndexError:  # popped between the two reads
+            pass
+    return _contexts.current()
+
+
+# The live arrays' bytes per device, for devices without memory statistics (CPU): one reading
+# shared by every device map, taken at most once a second by the live thread and within 1 % of
+# the wall time (about 3-4 microseconds per live array).
+LIVE_BYTES = Throttled(lambda: _devices.live_array_bytes(), period=1.0, share=0.01)
+
+
+class DeviceMap(LiveView):
+    """Context name -> device -> platform, memory in use / limit, the current context highlighted.
+
+    Memory comes from the device's allocator statistics where it reports them (GPUs, TPUs);
+    devices that report none (CPU) show the bytes held by the live jax arrays on them, marked
+    ``live arrays``, with no limit. A widget in notebooks (refreshed live), text elsewhere
+    (``print(mg.DeviceMap())``).
+
+    Args:
+      contexts: context names to show (default: every context of the current map).
+      rate: refreshes per second, above 0 and at most 10 (allocator statistics are polled at
+        this rate; live arrays are summed at most once a second while refreshed live).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while a cell runs; False:
+        only when you call ``refresh()``.
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
+    >>> print(mg.DeviceMap(widget=False))  # doctest: +ELLIPSIS
+    mgkit device map: 2 context(s), current (*) dev0
+    context  device  platform  kind  memory in use / limit
+    ...
+    * dev0   cpu0    cpu       cpu   ... (live arrays)
+      dev1   cpu1    cpu       cpu   ... (live arrays)
+    memory: ...
+    """
+
+    polls = True
+    css_class = "mgkit-devicemap"
+    headers = ("context", "device", "platform", "kind", "memory in use / limit")
+
+    def __init__(
+        self,
+        contexts: Iterable[str] | None = None,
+        rate: float = 2.0,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, None, widget, live, contexts)
+        self._state: list[tuple] = []
+        _watch_main_stack()
+        self._start()
+
+    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool, str | None]]:
+        """(context, device, platform, kind, bytes in use, byte limit, is current, memory source)
+        per context, now. The source is ``"allocator"`` (the device's statistics), ``"live
+        arrays"`` (bytes of the live jax arrays on a device without statistics) or None."""
+        self.refresh()
+        return list(self._state)
+
+    def _poll(self, fresh: bool) -> list[tuple]:
+        cmap = _contexts.context_map()
+        current = shown_current()
+        shown = [n for n in cmap.names if self.contexts is None or n in self.contexts]
+        devices = [_contexts.device_of(name) for name in shown]
+        usage = _devices.memory_usage(devices, lambda: LIVE_BYTES(fresh))
+        rows = []
+        for name, device in zip(shown, devices, strict=True):
+            short = _devices.short_name(device)
+            used, limit, source = usage[device]
+            platform = short.rstrip("0123456789")
+            rows.append((name, short, platform, device.device_kind, used, limit, name == current, source))
+        return rows
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        rows = self._poll(fresh=not budgeted)
+        if rows == self._state:
+            return False
+        self._state = rows
+        if self._box is not None:
+            self._html.value = self.html()
+        return True
+
+    def _title(self) -> str:
+        current = next((r[0] for r in self._state if r[6]), None)
+        return f"mgkit device map: {len(self._state)} context(s), current (*) {current or '(none shown)'}"
+
+    def _note(self) -> str:
+        return _devices.MEMORY_NOTE if any(r[7] for r in self._state) else ""
+
+    def _rows(self) -> list[tuple]:
+        return [
+            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], _devices.memory_text(r[4], r[5], r[7]))
+            for r in self._state
+        ]
+
+    def text(self) -> str:
+        note = self._note()
+        return self._table(self._title()) + (f"\n{note}" if note else "")
+
+    def html(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
+        body = []
+        top = max((r[4] for r in self._state if r[5] is None and r[4]), default=0)
+        for name, device, platform, kind, used, limit, current, source in self._state:
+            share = bar_share(used, limit, top)
+            bar = ""
+            if share is not None:
+                color = LIMIT_BAR if limit else LIVE_BAR
+                bar = (
+                    '<div style="display:inline-block;width:120px;height:10px;background:#e6e6e6;'
+                    'vertical-align:middle;margin-right:6px"><div style="height:100%;'
+                    f'width:{100 * share:.1f}%;background:{color}"></div></div>'
+                )
+            style = ' class="mgkit-current" style="background:#fff3c4;font-weight:bold"' if current else ""
+            cells = [("&#9654; " if current else "") + esc(name), *map(esc, (device, platform, kind))]
+            cells.append(bar + esc(_devices.memory_text(used, limit, source)))
+            body.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        note = self._note()
+        foot = f'<div style="font-size:11px;color:#666">{esc(note)}</div>' if note else ""
+        return (
+            f'<table class="mgkit"><caption>{esc(self._title())}</caption><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>{foot}"
+        )
+
+    def _build(self, widgets: Any) -> Any:
+        self._html = widgets.HTML()
+        return widgets.VBox([self._html])
+
+    def _draw(self, ax: Any) -> None:
+        draw_memory(ax, [(r[0], r[1], r[4], r[5], r[6]) for r in self._state])
+
+    def _figsize(self) -> tuple[float, float]:
+        return 6.0, 0.35 * len(self._state) + 1.2
+
+    def _draw_figure(self, fig: Any) -> None:
+        self._draw(fig.subplots())

@@ -1,0 +1,287 @@
+"""The launch view: per rank of the running or last ``mg.launch`` its devices, state, heartbeat
+age and last output lines; a finished launch it did not watch, read from the ledger."""
+
+from __future__ import annotations
+
+import collections
+import html
+import math
+import operator
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from .._ledger import Event, Ledger
+from ..launching import _launch
+from ..launching._result import TAIL, RankInfo
+from ._base import LiveView
+from ._format import cell_name
+from ._live import check_count
+
+_OUTPUT_WIDTH = 72  # characters of an output line shown, at most
+_STATE_COLORS = {
+    "done": "#2e7d32",
+    "failed": "#c62828",
+    "aborted": "#c62828",
+    "stalled": "#ef6c00",
+    "terminated": "#757575",
+    "starting": "#757575",
+}
+
+
+class LaunchRow(NamedTuple):
+    """One rank as a launch view shows it."""
+
+    rank: int
+    pid: int
+    devices: str  # comma-separated device names
+    state: str  # RankInfo.state: starting, running, stalled, done, failed, aborted or terminated
+    status: str  # what the view says: ready, running step 12, stalled after step 12, done, ...
+    beat: str  # seconds since its last heartbeat ("" before the first), frozen when it ended
+    output: tuple[str, ...]  # its last output lines, shortened
+
+
+def rank_status(r: RankInfo) -> str:
+    """``ready`` (running, no step reported yet), ``running step k``, ``stalled after step k``,
+    else the rank's state (starting, done, failed, aborted, terminated)."""
+    if r.state == "running" and r.step is None:
+        return "ready"
+    if r.state == "stalled" and r.step is not None:
+        return f"stalled after step {r.step}"
+    return r.status()
+
+
+def last_lines(tail: Iterable[str], count: int, width: int = _OUTPUT_WIDTH) -> tuple[str, ...]:
+    """The last ``count`` lines of a rank's output, each cut to ``width`` characters; a line
+    redrawn with carriage returns (a progress bar) shows its last state."""
+    if count <= 0:
+        return ()
+    lines: list[str] = []
+    for _ in range(100):
+        try:
+            lines = list(tail)[-count:]
+            break
+        except RuntimeError:  # appended to by the launch's reader thread while copied: copy again
+            continue
+    out = []
+    for line in lines:
+        line = str(line).rsplit("\r", 1)[-1].expandtabs(4).rstrip()
+        out.append(line if len(line) <= width else line[: width - 3] + "...")
+    return tuple(out)
+
+
+def _beat(r: RankInfo, now: float) -> str:
+    if r.beat_at is None:
+        return ""
+    end = now if r.seconds is None else r.started + r.seconds
+    return f"{max(end - r.beat_at, 0.0):.1f} s"
+
+
+def launch_rows(ranks: Iterable[RankInfo], lines: int, now: float | None = None) -> tuple[LaunchRow, ...]:
+    """A row per rank of a running (or finished) launch; heartbeat ages at ``now`` for live
+    ranks, at their exit for ended ones."""
+    now = time.time() if now is None else now
+    return tuple(
+        LaunchRow(
+            r.rank,
+            r.pid,
+            ",".join(r.devices) or "?",
+            r.state,
+            rank_status(r),
+            _beat(r, now),
+            last_lines(r.tail, lines),
+        )
+        for r in sorted(ranks, key=operator.attrgetter("rank"))
+    )
+
+
+def ledger_launch(events: Iterable[Event]) -> tuple[int | None, tuple[LaunchRow, ...]]:
+    """The newest launch in the ledger's ``launch`` events: (its cell label, a row per rank that
+    reported), from each rank's newest event. The ledger keeps no output or heartbeat age.
+
+    Launches run one after another: an event that ended before the newest launch's first rank
+    started belongs to an earlier launch, and so does a rank number seen with another pid.
+    """
+    parsed = []
+    for e in events:
+        info = e.info
+        try:
+            rank = int(e.dst.removeprefix("rank"))
+            pid = int(info["pid"])
+            what = str(info["event"])
+        except (AttributeError, KeyError, TypeError, ValueError):
+            continue
+        parsed.append((e.start + e.seconds, rank, pid, what, e))
+    parsed.sort(key=operator.itemgetter(0), reverse=True)  # newest first
+    since = math.inf  # when the newest launch's first rank started (its events' earliest start)
+    newest: dict[int, tuple[int, str, Event]] = {}
+    label = None
+    for end, rank, pid, what, e in parsed:
+        if end < since and newest:
+            break  # ended before the newest launch began
+        since = min(since, e.start)
+        if rank in newest:
+            continue
+        newest[rank] = (pid, what, e)
+        label = e.label if label is None else label
+    rows = []
+    for rank, (pid, what, e) in sorted(newest.items()):
+        state = str(e.info.get("state", ""))
+        if what == "done":
+            state = "done"
+        elif what == "failed":
+            state = state if state in ("failed", "stalled", "aborted", "terminated") else "failed"
+        elif what == "stalled":
+            state = "stalled"
+        else:  # ready, and no exit reported: stopped with the others
+            state = "terminated"
+        devices = e.info.get("devices") or ()
+        names = ",".join(map(str, devices)) if isinstance(devices, list | tuple) else str(devices)
+        rows.append(LaunchRow(rank, pid, names or "?", state, state, "", ()))
+    return label, tuple(rows)
+
+
+def _counts(rows: Sequence[LaunchRow]) -> str:
+    counts = collections.Counter(r.state for r in rows)
+    return ", ".join(f"{n} {state}" for state, n in counts.items())
+
+
+class LaunchView(LiveView):
+    """The ranks of the running ``mg.launch``, or of the last one: per rank its devices, state,
+    last heartbeat's age and last lines of output, updated while the ranks run.
+
+    States: starting, ready (running, no ``mg.beat`` step yet), running step k, stalled (after
+    step k), done, failed, aborted, terminated. A heartbeat's age is counted to now while a rank
+    runs and to its exit once it ended. A launch the view watched keeps its final table with
+    the ranks' output; a view made after a launch shows that launch from the ledger's ``launch``
+    events (states and devices, no output or heartbeats).
+
+    Args:
+      lines: output lines shown per rank, 0 to 20 (each cut to 72 characters).
+      rate: refreshes per second, above 0 and at most 10.
+      ledger: the ledger to read finished launches from (default ``mg.ledger()``).
+      widget: True for an ipywidgets widget, False for text, None for a widget inside a
+        Jupyter kernel and text elsewhere.
+      live: a widget is refreshed by a background thread, also while ``mg.launch`` runs in the
+        cell; False: only when you call ``refresh()``.
+
+    >>> import mgkit as mg
+    >>> mg.ledger().clear()
+    >>> print(mg.LaunchView(widget=False))  # doctest: +ELLIPSIS
+    mgkit launch: none yet; mg.launch(fn, nprocs=...) shows its ranks here as they run
+    """
+
+    polls = True
+    css_class = "mgkit-launch"
+    headers = ("rank", "pid", "devices", "state", "last beat", "output")
+
+    def __init__(
+        self,
+        lines: int = 2,
+        rate: float = 2.0,
+        ledger: Ledger | None = None,
+        widget: bool | None = None,
+        live: bool = True,
+    ):
+        super().__init__(rate, ledger, widget, live)
+        self.lines = check_count(lines, "lines", self._where, 0, TAIL, 2)
+        self._seen: tuple[RankInfo, ...] = ()  # the ranks of the last launch seen running
+        self._launches = -1  # launch events in the ledger's totals when last read
+        self._from_ledger: tuple[int | None, tuple[LaunchRow, ...]] = (None, ())
+        self._shown: tuple[str, tuple[LaunchRow, ...]] = ("", ())
+        self._start()
+
+    @property
+    def active(self) -> bool:
+        """True when there is a launch to show (running, or finished and remembered)."""
+        return bool(self._shown[1])
+
+    def rows(self) -> list[LaunchRow]:
+        """A row per rank of the launch shown, now (empty when there is none)."""
+        self.refresh()
+        return list(self._shown[1])
+
+    def _running(self) -> tuple[str, tuple[RankInfo, ...]] | None:
+        try:
+            return _launch.current()
+        except IndexError:  # the launch ended between two reads
+            return None
+
+    def _read_ledger(self) -> tuple[int | None, tuple[LaunchRow, ...]]:
+        """The ledger's newest launch, read again only when its count of launch events changed."""
+        count = sum(c for (kind, _, _), (c, _, _) in self._ledger.totals().items() if kind == "launch")
+        if count != self._launches:
+            self._launches = count
+            self._from_ledger = ledger_launch(self._ledger.records("launch")) if count else (None, ())
+        return self._from_ledger
+
+    def _state(self) -> tuple[str, tuple[LaunchRow, ...]]:
+        now = time.time()
+        running = self._running()
+        if running is not None:
+            self._seen = running[1]
+            rows = launch_rows(self._seen, self.lines, now)
+            starts = [r.started for r in self._seen if r.started > 0]
+            elapsed = f" for {now - min(starts):.1f} s" if starts else ""
+            return f"mgkit launch: {len(rows)} rank(s) running{elapsed}: {_counts(rows)}", rows
+        label, logged = self._read_ledger()
+        pids = {r.pid for r in self._seen}
+        if self._seen and {r.pid for r in logged} <= pids:  # the launch this view watched
+            rows = launch_rows(self._seen, self.lines, now)
+            return f"mgkit launch: last launch, {len(rows)} rank(s): {_counts(rows)}", rows
+        if logged:
+            cell = f" ({cell_name(label)})" if label is not None else ""
+            return (
+                f"mgkit launch: last launch{cell}, {len(logged)} rank(s): {_counts(logged)} "
+                "(from the ledger: output and heartbeats show while a view watches)",
+                logged,
+            )
+        return "mgkit launch: none yet; mg.launch(fn, nprocs=...) shows its ranks here as they run", ()
+
+    def _update(self, events: list[Event], budgeted: bool) -> bool:
+        shown = self._state()
+        if shown == self._shown:
+            return False
+        self._shown = shown
+        if self._box is not None:
+            self._html.value = self.html()
+        return True
+
+    def _rows(self) -> list[tuple]:
+        return [(r.rank, r.pid, r.devices, r.status, r.beat, " | ".join(r.output)) for r in self._shown[1]]
+
+    def text(self) -> str:
+        title, rows = self._shown
+        return self._table(title) if rows else title
+
+    def html(self) -> str:
+        esc = html.escape
+        title, rows = self._shown
+        if not rows:
+            return f'<div style="font-family:monospace;font-size:12px">{esc(title)}</div>'
+        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
+        body = []
+        for r in rows:
+            color = _STATE_COLORS.get(r.state)
+            state = f'<span style="color:{color}">{esc(r.status)}</span>' if color else esc(r.status)
+            output = "<br>".join(map(esc, r.output))
+            cells = [esc(str(r.rank)), esc(str(r.pid)), esc(r.devices), state, esc(r.beat)]
+            body.append(
+                f'<tr class="mgkit-rank-{esc(r.state)}">'
+                + "".join(f"<td>{c}</td>" for c in cells)
+                + f'<td style="font-family:monospace;text-align:left;white-space:pre">{output}</td></tr>'
+            )
+        return (
+            f'<table class="mgkit"><caption>{esc(title)}</caption><thead><tr>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>"
+        )
+
+    def _build(self, widgets: Any) -> Any:
+        self._html = widgets.HTML()
+        return widgets.VBox([self._html])
+
+    def _figsize(self) -> tuple[float, float]:
+        return 10.0, 0.25 * (len(self._shown[1]) + 3) + 0.4
+
+    def _draw_figure(self, fig: Any) -> None:
+        fig.text(0.01, 0.98, self.text(), va="top", fontsize=8, family="monospace")
