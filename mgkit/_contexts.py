@@ -392,10 +392,7 @@ class on(contextlib.ContextDecorator):  # noqa: N801 - reads like a keyword: `wi
         scope = jax.default_device(self.device)
         scope.__enter__()
         self._scopes.append(scope)
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self.name)
+        scope_stack().append(self.name)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -409,6 +406,16 @@ class on(contextlib.ContextDecorator):  # noqa: N801 - reads like a keyword: `wi
 
     def __repr__(self) -> str:
         return f"on({self.name!r})"
+
+
+def scope_stack() -> list[str]:
+    """The calling thread's ``mg.on`` scopes, innermost last: the list itself, which ``mg.on``
+    appends to and pops from (made on first use). A view keeps the main thread's to show its
+    context from another thread."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
 
 
 def current() -> str | None:

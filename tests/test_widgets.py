@@ -16,8 +16,8 @@ import pytest
 from conftest import run_python
 
 import mgkit as mg
-from mgkit.views import _base, _devicemap, _live, _svg
 from mgkit._ledger import Event, Ledger
+from mgkit.views import _base, _devicemap, _live, _svg
 
 NAMES = [f"dev{i}" for i in range(8)]
 

@@ -21,10 +21,7 @@ def _watch_main_stack() -> None:
     ``mg.on`` appends to and pops from), so the live thread can show the main thread's context."""
     global _MAIN_STACK
     if _MAIN_STACK is None and threading.current_thread() is threading.main_thread():
-        stack = getattr(_contexts._local, "stack", None)
-        if stack is None:
-            stack = _contexts._local.stack = []
-        _MAIN_STACK = stack
+        _MAIN_STACK = _contexts.scope_stack()
 
 
 def shown_current() -> str | None:

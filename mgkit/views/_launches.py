@@ -11,9 +11,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from .. import launching
 from .._ledger import Event, Ledger
-from ..launching import _launch
-from ..launching._result import TAIL, RankInfo
+from ..launching import TAIL, RankInfo
 from ._base import LiveView
 from ._format import cell_name
 from ._live import check_count
@@ -95,50 +95,91 @@ def launch_rows(ranks: Iterable[RankInfo], lines: int, now: float | None = None)
     )
 
 
-def ledger_launch(events: Iterable[Event]) -> tuple[int | None, tuple[LaunchRow, ...]]:
-    """The newest launch in the ledger's ``launch`` events: (its cell label, a row per rank that
-    reported), from each rank's newest event. The ledger keeps no output or heartbeat age.
+# -- the ledger's launch events, read back ------------------------------------------------------
+
+
+class RankEvent(NamedTuple):
+    """A rank's ``launch`` event in the ledger, read back."""
+
+    rank: int  # the rank's number, from dst ``rank<r>``
+    pid: int  # its process id
+    what: str  # what happened: ready, done, failed or stalled
+    state: str  # its RankInfo.state when recorded ("" when not recorded)
+    devices: tuple[str, ...]  # its devices' short names (() when not recorded)
+    start: float  # Event.start
+    seconds: float  # Event.seconds
+    label: int | None  # the cell that ran the launch
+
+    @property
+    def end(self) -> float:
+        """When the event ended (``start + seconds``)."""
+        return self.start + self.seconds
+
+
+def rank_event(event: Event) -> RankEvent | None:
+    """The rank event ``event`` records, or None when it is not one (another kind, or fields
+    that do not read as a rank, a pid and what happened)."""
+    if event.kind != "launch":
+        return None
+    info = event.info
+    try:
+        rank = int(event.dst.removeprefix("rank"))
+        pid = int(info["pid"])
+        what = str(info["event"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    devices = info.get("devices") or ()
+    names = tuple(map(str, devices)) if isinstance(devices, list | tuple) else (str(devices),)
+    state = str(info.get("state", ""))
+    return RankEvent(rank, pid, what, state, names, event.start, event.seconds, event.label)
+
+
+# -- a finished launch, from the ledger ----------------------------------------------------------
+
+
+class LedgerLaunch(NamedTuple):
+    """The newest launch the ledger's ``launch`` events tell of."""
+
+    label: int | None  # the cell that ran it (None outside IPython, or when there was none)
+    rows: tuple[LaunchRow, ...]  # a row per rank that reported, by rank
+
+
+def _final_state(e: RankEvent) -> str:
+    """The state a rank ended in, from its newest event."""
+    if e.what == "done":
+        return "done"
+    if e.what == "failed":
+        return e.state if e.state in ("failed", "stalled", "aborted", "terminated") else "failed"
+    if e.what == "stalled":
+        return "stalled"
+    return "terminated"  # ready, and no exit reported: stopped with the others
+
+
+def ledger_launch(events: Iterable[Event]) -> LedgerLaunch:
+    """The newest launch in the ledger's ``launch`` events: its cell label and a row per rank
+    that reported, from each rank's newest event. The ledger keeps no output or heartbeat age.
 
     Launches run one after another: an event that ended before the newest launch's first rank
     started belongs to an earlier launch, and so does a rank number seen with another pid.
     """
-    parsed = []
-    for e in events:
-        info = e.info
-        try:
-            rank = int(e.dst.removeprefix("rank"))
-            pid = int(info["pid"])
-            what = str(info["event"])
-        except (AttributeError, KeyError, TypeError, ValueError):
-            continue
-        parsed.append((e.start + e.seconds, rank, pid, what, e))
-    parsed.sort(key=operator.itemgetter(0), reverse=True)  # newest first
+    parsed = [r for r in map(rank_event, events) if r is not None]
+    parsed.sort(key=operator.attrgetter("end"), reverse=True)  # newest first
     since = math.inf  # when the newest launch's first rank started (its events' earliest start)
-    newest: dict[int, tuple[int, str, Event]] = {}
+    newest: dict[int, RankEvent] = {}
     label = None
-    for end, rank, pid, what, e in parsed:
-        if end < since and newest:
+    for e in parsed:
+        if e.end < since and newest:
             break  # ended before the newest launch began
         since = min(since, e.start)
-        if rank in newest:
+        if e.rank in newest:
             continue
-        newest[rank] = (pid, what, e)
+        newest[e.rank] = e
         label = e.label if label is None else label
     rows = []
-    for rank, (pid, what, e) in sorted(newest.items()):
-        state = str(e.info.get("state", ""))
-        if what == "done":
-            state = "done"
-        elif what == "failed":
-            state = state if state in ("failed", "stalled", "aborted", "terminated") else "failed"
-        elif what == "stalled":
-            state = "stalled"
-        else:  # ready, and no exit reported: stopped with the others
-            state = "terminated"
-        devices = e.info.get("devices") or ()
-        names = ",".join(map(str, devices)) if isinstance(devices, list | tuple) else str(devices)
-        rows.append(LaunchRow(rank, pid, names or "?", state, state, "", ()))
-    return label, tuple(rows)
+    for rank, e in sorted(newest.items()):
+        state = _final_state(e)
+        rows.append(LaunchRow(rank, e.pid, ",".join(e.devices) or "?", state, state, "", ()))
+    return LedgerLaunch(label, tuple(rows))
 
 
 def _counts(rows: Sequence[LaunchRow]) -> str:
@@ -187,7 +228,7 @@ class LaunchView(LiveView):
         self.lines = check_count(lines, "lines", self._where, 0, TAIL, 2)
         self._seen: tuple[RankInfo, ...] = ()  # the ranks of the last launch seen running
         self._launches = -1  # launch events in the ledger's totals when last read
-        self._from_ledger: tuple[int | None, tuple[LaunchRow, ...]] = (None, ())
+        self._from_ledger = LedgerLaunch(None, ())
         self._shown: tuple[str, tuple[LaunchRow, ...]] = ("", ())
         self._start()
 
@@ -203,16 +244,16 @@ class LaunchView(LiveView):
 
     def _running(self) -> tuple[str, tuple[RankInfo, ...]] | None:
         try:
-            return _launch.current()
+            return launching.current()
         except IndexError:  # the launch ended between two reads
             return None
 
-    def _read_ledger(self) -> tuple[int | None, tuple[LaunchRow, ...]]:
+    def _read_ledger(self) -> LedgerLaunch:
         """The ledger's newest launch, read again only when its count of launch events changed."""
         count = sum(c for (kind, _, _), (c, _, _) in self._ledger.totals().items() if kind == "launch")
         if count != self._launches:
             self._launches = count
-            self._from_ledger = ledger_launch(self._ledger.records("launch")) if count else (None, ())
+            self._from_ledger = ledger_launch(self._ledger.records("launch"))
         return self._from_ledger
 
     def _state(self) -> tuple[str, tuple[LaunchRow, ...]]:
