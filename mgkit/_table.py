@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> str:
@@ -29,11 +29,34 @@ def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: 
     return "\n".join(out)
 
 
-def html_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> str:
-    """Renders rows as an HTML table for notebook display."""
+class Markup(str):
+    """A cell's content that is HTML already (a bar, a coloured word): ``html_table`` puts it in
+    the cell as it is, where it escapes every other value."""
+
+
+def html_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    title: str = "",
+    row_attrs: Sequence[Mapping[str, str]] | None = None,
+) -> str:
+    """Renders rows as an HTML table for notebook display.
+
+    Args:
+      headers, rows, title: the columns, the cells (``Markup`` cells go in unescaped), a caption.
+      row_attrs: each row's HTML attributes (``{"class": "mgkit-current"}``), or None.
+    """
     esc = html.escape
     head = "".join(f"<th>{esc(str(h))}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{esc(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    attrs = row_attrs if row_attrs is not None else [{}] * len(rows)
+    body = "".join(
+        "<tr"
+        + "".join(f' {k}="{esc(v)}"' for k, v in a.items())
+        + ">"
+        + "".join(f"<td>{c if isinstance(c, Markup) else esc(str(c))}</td>" for c in row)
+        + "</tr>"
+        for row, a in zip(rows, attrs, strict=True)
+    )
     if not rows:
         body = f'<tr><td colspan="{len(headers)}">(none)</td></tr>'
     caption = f"<caption>{esc(title)}</caption>" if title else ""

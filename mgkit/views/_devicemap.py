@@ -5,13 +5,44 @@ from __future__ import annotations
 import html
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _contexts, _devices
 from .._ledger import Event
+from .._table import Markup, html_table
 from ._base import LiveView
 from ._live import Throttled
-from ._png import LIMIT_BAR, LIVE_BAR, bar_share, draw_memory
+from ._png import LIMIT_BAR, LIVE_BAR, MemoryBar, bar_share, draw_memory, largest_live
+
+
+class DeviceRow(NamedTuple):
+    """One context as the device map shows it."""
+
+    context: str  # the context's name
+    device: str  # its device's short name (cpu0, cuda1)
+    platform: str  # the device's platform (cpu, cuda, tpu)
+    kind: str  # the device's kind, as JAX names it
+    used: int | None  # bytes in use (None: not known)
+    limit: int | None  # the device's byte limit (None: it reports none)
+    current: bool  # True for the current context (the main thread's)
+    source: str | None  # where ``used`` comes from: "allocator", "live arrays", or None
+
+
+_CURRENT_ROW = {"class": "mgkit-current", "style": "background:#fff3c4;font-weight:bold"}
+
+
+def _memory(r: DeviceRow) -> str:
+    return _devices.memory_text(r.used, r.limit, r.source)
+
+
+def _bar_html(share: float, color: str) -> str:
+    """A memory bar ``share`` (0 to 1) full, as HTML."""
+    return (
+        '<div style="display:inline-block;width:120px;height:10px;background:#e6e6e6;'
+        'vertical-align:middle;margin-right:6px"><div style="height:100%;'
+        f'width:{100 * share:.1f}%;background:{color}"></div></div>'
+    )
+
 
 _MAIN_STACK: list[str] | None = None  # the main thread's ``mg.on`` stack, read by the live thread
 
@@ -83,18 +114,17 @@ class DeviceMap(LiveView):
         live: bool = True,
     ):
         super().__init__(rate, None, widget, live, contexts)
-        self._state: list[tuple] = []
+        self._state: list[DeviceRow] = []
         _watch_main_stack()
         self._start()
 
-    def rows(self) -> list[tuple[str, str, str, str, int | None, int | None, bool, str | None]]:
-        """(context, device, platform, kind, bytes in use, byte limit, is current, memory source)
-        per context, now. The source is ``"allocator"`` (the device's statistics), ``"live
-        arrays"`` (bytes of the live jax arrays on a device without statistics) or None."""
+    def rows(self) -> list[DeviceRow]:
+        """A ``DeviceRow`` per context shown, now: (context, device, platform, kind, bytes in use,
+        byte limit, is current, memory source)."""
         self.refresh()
         return list(self._state)
 
-    def _poll(self, fresh: bool) -> list[tuple]:
+    def _poll(self, fresh: bool) -> list[DeviceRow]:
         cmap = _contexts.context_map()
         current = shown_current()
         shown = [n for n in cmap.names if self.contexts is None or n in self.contexts]
@@ -105,7 +135,9 @@ class DeviceMap(LiveView):
             short = _devices.short_name(device)
             used, limit, source = usage[device]
             platform = short.rstrip("0123456789")
-            rows.append((name, short, platform, device.device_kind, used, limit, name == current, source))
+            rows.append(
+                DeviceRow(name, short, platform, device.device_kind, used, limit, name == current, source)
+            )
         return rows
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
@@ -118,15 +150,18 @@ class DeviceMap(LiveView):
         return True
 
     def _title(self) -> str:
-        current = next((r[0] for r in self._state if r[6]), None)
+        current = next((r.context for r in self._state if r.current), None)
         return f"mgkit device map: {len(self._state)} context(s), current (*) {current or '(none shown)'}"
 
     def _note(self) -> str:
-        return _devices.MEMORY_NOTE if any(r[7] for r in self._state) else ""
+        return _devices.MEMORY_NOTE if any(r.source for r in self._state) else ""
+
+    def _bars(self) -> list[MemoryBar]:
+        return [MemoryBar(r.context, r.device, r.used, r.limit, r.current) for r in self._state]
 
     def _rows(self) -> list[tuple]:
         return [
-            (f"{'*' if r[6] else ' '} {r[0]}", r[1], r[2], r[3], _devices.memory_text(r[4], r[5], r[7]))
+            (f"{'*' if r.current else ' '} {r.context}", r.device, r.platform, r.kind, _memory(r))
             for r in self._state
         ]
 
@@ -135,37 +170,24 @@ class DeviceMap(LiveView):
         return self._table(self._title()) + (f"\n{note}" if note else "")
 
     def html(self) -> str:
-        esc = html.escape
-        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
-        body = []
-        top = max((r[4] for r in self._state if r[5] is None and r[4]), default=0)
-        for name, device, platform, kind, used, limit, current, source in self._state:
-            share = bar_share(used, limit, top)
-            bar = ""
-            if share is not None:
-                color = LIMIT_BAR if limit else LIVE_BAR
-                bar = (
-                    '<div style="display:inline-block;width:120px;height:10px;background:#e6e6e6;'
-                    'vertical-align:middle;margin-right:6px"><div style="height:100%;'
-                    f'width:{100 * share:.1f}%;background:{color}"></div></div>'
-                )
-            style = ' class="mgkit-current" style="background:#fff3c4;font-weight:bold"' if current else ""
-            cells = [("&#9654; " if current else "") + esc(name), *map(esc, (device, platform, kind))]
-            cells.append(bar + esc(_devices.memory_text(used, limit, source)))
-            body.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        top = largest_live(self._bars())
+        rows = []
+        for r in self._state:
+            share = bar_share(r.used, r.limit, top)
+            bar = "" if share is None else _bar_html(share, LIMIT_BAR if r.limit else LIVE_BAR)
+            name = Markup(("&#9654; " if r.current else "") + html.escape(r.context))
+            rows.append((name, r.device, r.platform, r.kind, Markup(bar + html.escape(_memory(r)))))
+        attrs = [_CURRENT_ROW if r.current else {} for r in self._state]
         note = self._note()
-        foot = f'<div style="font-size:11px;color:#666">{esc(note)}</div>' if note else ""
-        return (
-            f'<table class="mgkit"><caption>{esc(self._title())}</caption><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>{foot}"
-        )
+        foot = f'<div style="font-size:11px;color:#666">{html.escape(note)}</div>' if note else ""
+        return html_table(self.headers, rows, self._title(), attrs) + foot
 
     def _build(self, widgets: Any) -> Any:
         self._html = widgets.HTML()
         return widgets.VBox([self._html])
 
     def _draw(self, ax: Any) -> None:
-        draw_memory(ax, [(r[0], r[1], r[4], r[5], r[6]) for r in self._state])
+        draw_memory(ax, self._bars())
 
     def _figsize(self) -> tuple[float, float]:
         return 6.0, 0.35 * len(self._state) + 1.2

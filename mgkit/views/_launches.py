@@ -12,13 +12,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from .. import launching
-from .._ledger import Event, Ledger
+from .._ledger import Event, Kind, Ledger
+from .._table import Markup, html_table
 from ..launching import TAIL, RankInfo
 from ._base import LiveView
 from ._format import cell_name
 from ._live import check_count
 
 _OUTPUT_WIDTH = 72  # characters of an output line shown, at most
+_NONE = "mgkit launch: none yet; mg.launch(fn, nprocs=...) shows its ranks here as they run"
+_OUTPUT_STYLE = "font-family:monospace;text-align:left;white-space:pre"
 _STATE_COLORS = {
     "done": "#2e7d32",
     "failed": "#c62828",
@@ -119,7 +122,7 @@ class RankEvent(NamedTuple):
 def rank_event(event: Event) -> RankEvent | None:
     """The rank event ``event`` records, or None when it is not one (another kind, or fields
     that do not read as a rank, a pid and what happened)."""
-    if event.kind != "launch":
+    if event.kind != Kind.LAUNCH:
         return None
     info = event.info
     try:
@@ -182,6 +185,13 @@ def ledger_launch(events: Iterable[Event]) -> LedgerLaunch:
     return LedgerLaunch(label, tuple(rows))
 
 
+class _Shown(NamedTuple):
+    """What a launch view shows."""
+
+    title: str  # the line above the table (all there is when there is no launch)
+    rows: tuple[LaunchRow, ...]  # a row per rank
+
+
 def _counts(rows: Sequence[LaunchRow]) -> str:
     counts = collections.Counter(r.state for r in rows)
     return ", ".join(f"{n} {state}" for state, n in counts.items())
@@ -229,18 +239,18 @@ class LaunchView(LiveView):
         self._seen: tuple[RankInfo, ...] = ()  # the ranks of the last launch seen running
         self._launches = -1  # launch events in the ledger's totals when last read
         self._from_ledger = LedgerLaunch(None, ())
-        self._shown: tuple[str, tuple[LaunchRow, ...]] = ("", ())
+        self._shown = _Shown("", ())
         self._start()
 
     @property
     def active(self) -> bool:
         """True when there is a launch to show (running, or finished and remembered)."""
-        return bool(self._shown[1])
+        return bool(self._shown.rows)
 
     def rows(self) -> list[LaunchRow]:
         """A row per rank of the launch shown, now (empty when there is none)."""
         self.refresh()
-        return list(self._shown[1])
+        return list(self._shown.rows)
 
     def _running(self) -> tuple[str, tuple[RankInfo, ...]] | None:
         try:
@@ -250,34 +260,34 @@ class LaunchView(LiveView):
 
     def _read_ledger(self) -> LedgerLaunch:
         """The ledger's newest launch, read again only when its count of launch events changed."""
-        count = sum(c for (kind, _, _), (c, _, _) in self._ledger.totals().items() if kind == "launch")
+        count = sum(c for (kind, _, _), (c, _, _) in self._ledger.totals().items() if kind == Kind.LAUNCH)
         if count != self._launches:
             self._launches = count
-            self._from_ledger = ledger_launch(self._ledger.records("launch"))
+            self._from_ledger = ledger_launch(self._ledger.records(Kind.LAUNCH))
         return self._from_ledger
 
-    def _state(self) -> tuple[str, tuple[LaunchRow, ...]]:
+    def _state(self) -> _Shown:
         now = time.time()
         running = self._running()
         if running is not None:
-            self._seen = running[1]
+            _, self._seen = running
             rows = launch_rows(self._seen, self.lines, now)
             starts = [r.started for r in self._seen if r.started > 0]
             elapsed = f" for {now - min(starts):.1f} s" if starts else ""
-            return f"mgkit launch: {len(rows)} rank(s) running{elapsed}: {_counts(rows)}", rows
+            return _Shown(f"mgkit launch: {len(rows)} rank(s) running{elapsed}: {_counts(rows)}", rows)
         label, logged = self._read_ledger()
         pids = {r.pid for r in self._seen}
         if self._seen and {r.pid for r in logged} <= pids:  # the launch this view watched
             rows = launch_rows(self._seen, self.lines, now)
-            return f"mgkit launch: last launch, {len(rows)} rank(s): {_counts(rows)}", rows
+            return _Shown(f"mgkit launch: last launch, {len(rows)} rank(s): {_counts(rows)}", rows)
         if logged:
             cell = f" ({cell_name(label)})" if label is not None else ""
-            return (
+            title = (
                 f"mgkit launch: last launch{cell}, {len(logged)} rank(s): {_counts(logged)} "
-                "(from the ledger: output and heartbeats show while a view watches)",
-                logged,
+                "(from the ledger: output and heartbeats show while a view watches)"
             )
-        return "mgkit launch: none yet; mg.launch(fn, nprocs=...) shows its ranks here as they run", ()
+            return _Shown(title, logged)
+        return _Shown(_NONE, ())
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
         shown = self._state()
@@ -289,7 +299,7 @@ class LaunchView(LiveView):
         return True
 
     def _rows(self) -> list[tuple]:
-        return [(r.rank, r.pid, r.devices, r.status, r.beat, " | ".join(r.output)) for r in self._shown[1]]
+        return [(r.rank, r.pid, r.devices, r.status, r.beat, " | ".join(r.output)) for r in self._shown.rows]
 
     def text(self) -> str:
         title, rows = self._shown
@@ -300,29 +310,20 @@ class LaunchView(LiveView):
         title, rows = self._shown
         if not rows:
             return f'<div style="font-family:monospace;font-size:12px">{esc(title)}</div>'
-        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
-        body = []
+        cells = []
         for r in rows:
             color = _STATE_COLORS.get(r.state)
-            state = f'<span style="color:{color}">{esc(r.status)}</span>' if color else esc(r.status)
-            output = "<br>".join(map(esc, r.output))
-            cells = [esc(str(r.rank)), esc(str(r.pid)), esc(r.devices), state, esc(r.beat)]
-            body.append(
-                f'<tr class="mgkit-rank-{esc(r.state)}">'
-                + "".join(f"<td>{c}</td>" for c in cells)
-                + f'<td style="font-family:monospace;text-align:left;white-space:pre">{output}</td></tr>'
-            )
-        return (
-            f'<table class="mgkit"><caption>{esc(title)}</caption><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>"
-        )
+            state = Markup(f'<span style="color:{color}">{esc(r.status)}</span>') if color else r.status
+            output = Markup(f'<div style="{_OUTPUT_STYLE}">{"<br>".join(map(esc, r.output))}</div>')
+            cells.append((r.rank, r.pid, r.devices, state, r.beat, output))
+        return html_table(self.headers, cells, title, [{"class": f"mgkit-rank-{r.state}"} for r in rows])
 
     def _build(self, widgets: Any) -> Any:
         self._html = widgets.HTML()
         return widgets.VBox([self._html])
 
     def _figsize(self) -> tuple[float, float]:
-        return 10.0, 0.25 * (len(self._shown[1]) + 3) + 0.4
+        return 10.0, 0.25 * (len(self._shown.rows) + 3) + 0.4
 
     def _draw_figure(self, fig: Any) -> None:
         fig.text(0.01, 0.98, self.text(), va="top", fontsize=8, family="monospace")

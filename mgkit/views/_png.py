@@ -9,7 +9,7 @@ no view.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -50,6 +50,21 @@ def write_png(fig: Any, path: str, dpi: int) -> None:
     fig.savefig(path, format="png", dpi=dpi)
 
 
+class MemoryBar(NamedTuple):
+    """One context's memory, as the memory picture draws it."""
+
+    context: str  # the context's name
+    device: str  # its device's short name
+    used: int | None  # bytes in use (None: not known)
+    limit: int | None  # the device's byte limit (None: it reports none)
+    current: bool  # True for the current context
+
+
+def largest_live(bars: Sequence[MemoryBar]) -> int:
+    """The most bytes a device without a limit holds: the length of a full live-arrays bar."""
+    return max((b.used for b in bars if b.used and not b.limit), default=0)
+
+
 def bar_share(used: int | None, limit: int | None, top: int) -> float | None:
     """A memory bar's length from 0 to 1: the share of the limit where the device reports one,
     else (live arrays) the share of ``top``, the most any such device holds; None: no bar."""
@@ -60,36 +75,34 @@ def bar_share(used: int | None, limit: int | None, top: int) -> float | None:
     return used / top if top else 0.0
 
 
-def draw_memory(ax, rows: Sequence[tuple[str, str, int | None, int | None, bool]]) -> None:
+def _memory_note(used: int | None, limit: int | None) -> str:
+    if used is None and limit is None:
+        return "n/a"
+    if limit:
+        return f"{'?' if used is None else human_bytes(used)} / {human_bytes(limit)}"
+    return f"{human_bytes(used)} in live arrays"
+
+
+def draw_memory(ax, bars: Sequence[MemoryBar]) -> None:
     """Horizontal bars per context: memory in use as a share of the limit where the device
     reports one, else the live arrays' bytes as a share of the most any context's device holds;
-    ``n/a`` where nothing is known.
-
-    rows: (context, device, bytes in use, byte limit, is current).
-    """
+    ``n/a`` where nothing is known."""
     ax.clear()
-    y = np.arange(len(rows))
-    top = max((used for _, _, used, limit, _ in rows if used and not limit), default=0)
+    top = largest_live(bars)
     kinds = set()
-    for i, (_, _, used, limit, current) in enumerate(rows):
-        share = bar_share(used, limit, top)
+    for i, b in enumerate(bars):
+        share = bar_share(b.used, b.limit, top)
         if share is not None:
-            kinds.add("limit" if limit else "live")
-            color = _CURRENT if current else (LIMIT_BAR if limit else LIVE_BAR)
-            ax.barh(i, share, color=color)
-        if used is None and limit is None:
-            note = "n/a"
-        elif limit:
-            note = f"{'?' if used is None else human_bytes(used)} / {human_bytes(limit)}"
-        else:
-            note = f"{human_bytes(used)} in live arrays"
-        ax.text(0.01, i, note, va="center", fontsize=8)
-    ax.set_yticks(y, [f"{'* ' if r[4] else ''}{r[0]} -> {r[1]}" for r in rows], fontsize=8)
-    for tick, row in zip(ax.get_yticklabels(), rows, strict=True):
-        if row[4]:
+            kinds.add("limit" if b.limit else "live")
+            ax.barh(i, share, color=_CURRENT if b.current else (LIMIT_BAR if b.limit else LIVE_BAR))
+        ax.text(0.01, i, _memory_note(b.used, b.limit), va="center", fontsize=8)
+    labels = [f"{'* ' if b.current else ''}{b.context} -> {b.device}" for b in bars]
+    ax.set_yticks(np.arange(len(bars)), labels, fontsize=8)
+    for tick, b in zip(ax.get_yticklabels(), bars, strict=True):
+        if b.current:
             tick.set_fontweight("bold")
     ax.set_xlim(0, 1)
-    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_ylim(len(bars) - 0.5, -0.5)
     if kinds == {"live"}:
         label = f"bytes held by live jax arrays (bar: share of the largest, {human_bytes(top)})"
     elif kinds == {"limit"} or not kinds:
@@ -139,61 +152,74 @@ def _log_if_wide(ax: Any, values: list[np.ndarray]) -> None:
         ax.set_yscale("log")
 
 
-def draw_throughput(ax_rate, ax_step, series: dict[str, tuple], colors: dict[str, str]) -> None:
+class Trace(NamedTuple):
+    """One line of the throughput picture (a context, or a member on it): its points as arrays."""
+
+    t: np.ndarray  # when each point ended, seconds since the view started
+    rate: np.ndarray  # samples per second
+    step: np.ndarray  # seconds per step, compilation left out
+    compiled: np.ndarray  # seconds of compilation taken out of each point's time
+    sources: list[str]  # what each point came from: a fit, or a function and how it ran
+
+
+def _name_sources(ax: Any, trace: Trace, named: set[str]) -> None:
+    """Writes each source's name beside its first point (once per picture: ``named``)."""
+    t, rate = trace.t, trace.rate
+    right = float(np.nanmax(t)) if len(t) else 0.0
+    for k, source in enumerate(trace.sources):
+        if source and source not in named:
+            named.add(source)
+            left_side = len(named) % 2 == 0  # alternate sides: neighbours do not overlap
+            if t[k] < 0.3 * right or t[k] > 0.7 * right:  # near an edge: face the middle
+                left_side = t[k] > 0.7 * right
+            label = ax.annotate(
+                source,
+                (t[k], rate[k]),
+                xytext=(-7 if left_side else 7, 7 if len(named) % 2 else -12),
+                textcoords="offset points",
+                ha="right" if left_side else "left",
+                fontsize=6.5,
+                color="0.25",
+            )
+            label.set_in_layout(False)
+
+
+def draw_throughput(ax_rate, ax_step, traces: dict[str, Trace], colors: dict[str, str]) -> None:
     """Samples per second (top) and milliseconds per step (bottom) against time, one colour and
-    marker shape per context. Each point is one step event (a fit's iterations since its last)
+    marker shape per line. Each point is one step event (a fit's iterations since its last)
     or one parallel call; lines join only points of one fit or function, each of which is named
     where it first appears, and a grey ring marks a call whose compilation was taken out of its
-    time.
-
-    series: context -> (time in s, samples per second, step seconds, compile seconds taken out,
-    the source of each point).
-    """
+    time."""
     ax_rate.clear()
     ax_step.clear()
     named: set[str] = set()
     rings = False
-    for i, (name, (t, rate, step, compiled, sources)) in enumerate(series.items()):
+    for i, (name, trace) in enumerate(traces.items()):
         color = colors.get(name)
         marker = _MARKERS[i % len(_MARKERS)]
         style = {"ls": "none", "marker": marker, "ms": 5.5, "mfc": "none", "mew": 1.1, "color": color}
-        for ax, y in ((ax_rate, rate), (ax_step, step * 1e3)):
-            ax.plot(*by_source(t, y, sources), lw=0.8, alpha=0.5, color=color)
+        t = trace.t
+        for ax, y in ((ax_rate, trace.rate), (ax_step, trace.step * 1e3)):
+            ax.plot(*by_source(t, y, trace.sources), lw=0.8, alpha=0.5, color=color)
             ax.plot(t, y, **style)
-            hot = compiled > 0
+            hot = trace.compiled > 0
             if hot.any():
                 rings = True
                 ax.plot(t[hot], y[hot], ls="none", marker="o", ms=11, mfc="none", mec="0.55", mew=1.0)
         ax_rate.plot([], [], **{**style, "ls": "-", "lw": 0.8}, label=name)  # the legend's entry
-        if len(series) * len(set(sources)) <= 200:
-            right = float(np.nanmax(t)) if len(t) else 0.0
-            for k, source in enumerate(sources):
-                if source and source not in named:
-                    named.add(source)
-                    left_side = len(named) % 2 == 0  # alternate sides: neighbours do not overlap
-                    if t[k] < 0.3 * right or t[k] > 0.7 * right:  # near an edge: face the middle
-                        left_side = t[k] > 0.7 * right
-                    label = ax_rate.annotate(
-                        source,
-                        (t[k], rate[k]),
-                        xytext=(-7 if left_side else 7, 7 if len(named) % 2 else -12),
-                        textcoords="offset points",
-                        ha="right" if left_side else "left",
-                        fontsize=6.5,
-                        color="0.25",
-                    )
-                    label.set_in_layout(False)
+        if len(traces) * len(set(trace.sources)) <= 200:
+            _name_sources(ax_rate, trace, named)
     if rings:
         ax_rate.plot([], [], ls="none", marker="o", ms=9, mfc="none", mec="0.55", label="compiled (left out)")
-    if not series:
+    if not traces:
         ax_rate.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax_rate.transAxes)
     else:
-        _log_if_wide(ax_rate, [s[1] for s in series.values()])
-        _log_if_wide(ax_step, [s[2] for s in series.values()])
-        if len(series) <= 16:
+        _log_if_wide(ax_rate, [tr.rate for tr in traces.values()])
+        _log_if_wide(ax_step, [tr.step for tr in traces.values()])
+        if len(traces) <= 16:
             ax_rate.legend(
                 fontsize=7,
-                ncols=min(len(series) + rings, 9),
+                ncols=min(len(traces) + rings, 9),
                 loc="lower left",
                 bbox_to_anchor=(0, 1.0),
                 frameon=False,
@@ -211,4 +237,33 @@ def draw_throughput(ax_rate, ax_step, series: dict[str, tuple], colors: dict[str
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.35)
         ax.margins(x=0.04, y=0.12)
-    ax_rate.set_title("throughput per context", fontsize=9, pad=18 if len(series) else 6)
+    ax_rate.set_title("throughput per context", fontsize=9, pad=18 if len(traces) else 6)
+
+
+class Bar(NamedTuple):
+    """One block of a timeline."""
+
+    row: int  # its row, from the top
+    start: float  # where it starts on the x axis
+    width: float  # its length on the x axis
+    color: str  # its fill
+
+
+def draw_timeline(
+    ax: Any, rows: Sequence[str], bars: Sequence[Bar], legend: dict[str, str], x_label: str, title: str
+) -> None:
+    """Coloured bars on named rows (a schedule), with a legend (label -> colour)."""
+    from matplotlib.patches import Patch
+
+    for i in range(len(rows)):
+        mine = [b for b in bars if b.row == i]
+        for color in dict.fromkeys(b.color for b in mine):
+            spans = [(b.start, b.width) for b in mine if b.color == color]
+            ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.5)
+    ax.set_yticks(range(len(rows)), list(rows))
+    ax.invert_yaxis()
+    ax.set_xlabel(x_label)
+    handles = [Patch(facecolor=color, label=label) for label, color in legend.items()]
+    if handles:
+        ax.legend(handles=handles, fontsize="small", loc="upper right", ncols=min(len(handles), 4))
+    ax.set_title(title, fontsize=8, loc="left")

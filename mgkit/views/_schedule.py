@@ -15,14 +15,23 @@ import html
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .._ledger import Event
+from .._ledger import Event, Kind
 from .._table import human_bytes
 from . import _svg
 from ._base import LiveView
+from ._png import Bar, draw_timeline
 
-_KIND_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "update": "#2ca02c"}
-_KIND_CHARS = {"forward": "F", "backward": "B", "update": "U"}
+_KIND_COLORS = {Kind.FORWARD: "#1f77b4", Kind.BACKWARD: "#ff7f0e", Kind.UPDATE: "#2ca02c"}
+_KIND_CHARS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.UPDATE: "U"}
 _WIDTH = 72  # columns of the text timeline
+
+
+class _Key(NamedTuple):
+    """The key to one kind of block: how the text, the SVG and the PNG mark it."""
+
+    char: str  # its character in the text timeline
+    color: str  # its colour in the pictures
+    meaning: str  # what it is: forward, backward, update, step of <member>
 
 
 class Block(NamedTuple):
@@ -87,7 +96,7 @@ class Schedule(LiveView):
             row: (_busy([b for b in self.blocks if b.row == row]) / self.span if self.span > 0 else 0.0)
             for row in self.rows
         }
-        labels = sorted({b.label for b in self.blocks if b.kind == "step"})
+        labels = sorted({b.label for b in self.blocks if b.kind == Kind.STEP})
         self._member_colors = _svg.colors(labels)
         self._start()
 
@@ -105,7 +114,7 @@ class Schedule(LiveView):
         """The picture of one pipeline call from its events: ``forward``, ``backward`` and
         ``update`` blocks (info ``stage``, ``microbatch``) and the stage transfers."""
         work = [e for e in events if e.kind in _KIND_CHARS]
-        hops = [e for e in events if e.kind == "transfer"]
+        hops = [e for e in events if e.kind == Kind.TRANSFER]
         t0 = min((e.start for e in work), default=0.0)
         rows = [f"stage {i} ({ctx})" for i, ctx in enumerate(stages)]
         blocks = []
@@ -115,7 +124,7 @@ class Schedule(LiveView):
             label = "" if mb is None else str(mb)
             blocks.append(Block(rows[stage], e.kind, label, e.start - t0, e.start + e.seconds - t0))
         s, m = len(stages), microbatches
-        fb = [b for b in blocks if b.kind != "update"]
+        fb = [b for b in blocks if b.kind != Kind.UPDATE]
         bubble = None
         if fb:
             first, last = min(b.start for b in fb), max(b.end for b in fb)
@@ -150,7 +159,7 @@ class Schedule(LiveView):
         kept = [e for e in events if last - steps < int(e.info.get("round", 0)) <= last]
         t0 = min((e.start for e in kept), default=0.0)
         blocks = [
-            Block(e.src, "step", str(e.info.get("member")), e.start - t0, e.start + e.seconds - t0)
+            Block(e.src, Kind.STEP, str(e.info.get("member")), e.start - t0, e.start + e.seconds - t0)
             for e in kept
         ]
         span = max((b.end for b in blocks), default=0.0)
@@ -169,12 +178,12 @@ class Schedule(LiveView):
     def _color(self, b: Block) -> str:
         return _KIND_COLORS.get(b.kind) or self._member_colors.get(b.label, _svg.PALETTE[0])
 
-    def _legend(self) -> list[tuple[str, str, str]]:
-        """(character, colour, meaning) of each kind of block drawn."""
+    def _legend(self) -> list[_Key]:
+        """The key to each kind of block drawn."""
         kinds = {b.kind for b in self.blocks}
-        out = [(_KIND_CHARS[k], _KIND_COLORS[k], k) for k in ("forward", "backward", "update") if k in kinds]
+        out = [_Key(_KIND_CHARS[k], _KIND_COLORS[k], k) for k in _KIND_CHARS if k in kinds]
         for i, (label, color) in enumerate(self._member_colors.items()):
-            out.append((_member_char(i), color, f"step of {label}"))
+            out.append(_Key(_member_char(i), color, f"step of {label}"))
         return out
 
     def text(self) -> str:
@@ -196,7 +205,7 @@ class Schedule(LiveView):
                     cells[i] = char
             lines.append(f"{row.ljust(width)} |{''.join(cells)}| busy {self.busy[row]:.0%}")
         lines.append(" " * width + f"  0{'':{_WIDTH - 12}}{self.span * 1e3:8.2f} ms")
-        lines.append("  ".join(f"{c} {meaning}" for c, _, meaning in self._legend()))
+        lines.append("  ".join(f"{k.char} {k.meaning}" for k in self._legend()))
         return "\n".join(lines)
 
     def _rows(self) -> list[tuple]:
@@ -235,7 +244,7 @@ class Schedule(LiveView):
                     f'fill="{self._color(b)}" stroke="white" stroke-width="0.5">'
                     f"<title>{esc(tip)}</title></rect>"
                 )
-                if b.label and w > 12 and b.kind != "step":
+                if b.label and w > 12 and b.kind != Kind.STEP:
                     out.append(
                         f'<text x="{x + w / 2:.1f}" y="{y + row_h / 2 + 3:.0f}" text-anchor="middle" '
                         f'fill="white">{esc(b.label)}</text>'
@@ -262,26 +271,12 @@ class Schedule(LiveView):
         return (9.0, 1.6 + 0.45 * max(len(self.rows), 1))
 
     def _draw_figure(self, fig: Any) -> None:
-        ax = fig.add_subplot(1, 1, 1)
-        for i, row in enumerate(self.rows):
-            mine = [b for b in self.blocks if b.row == row]
-            for color in dict.fromkeys(self._color(b) for b in mine):
-                spans = [(b.start * 1e3, b.seconds * 1e3) for b in mine if self._color(b) == color]
-                ax.broken_barh(spans, (i - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.5)
-        ax.set_yticks(range(len(self.rows)), list(self.rows))
-        ax.invert_yaxis()
-        ax.set_xlabel("ms since the first call")
-        handles = [_patch(color, meaning) for _, color, meaning in self._legend()]
-        if handles:
-            ax.legend(handles=handles, fontsize="small", loc="upper right", ncols=min(len(handles), 4))
-        ax.set_title("\n".join([self.title, *self.notes[:1]]), fontsize=8, loc="left")
+        index = {row: i for i, row in enumerate(self.rows)}
+        bars = [Bar(index[b.row], b.start * 1e3, b.seconds * 1e3, self._color(b)) for b in self.blocks]
+        legend = {k.meaning: k.color for k in self._legend()}
+        title = "\n".join([self.title, *self.notes[:1]])
+        draw_timeline(fig.add_subplot(1, 1, 1), self.rows, bars, legend, "ms since the first call", title)
 
 
 def _member_char(i: int) -> str:
     return "abcdefghijklmnopqrstuvwxyz"[i % 26]
-
-
-def _patch(color: str, label: str) -> Any:
-    from matplotlib.patches import Patch
-
-    return Patch(facecolor=color, label=label)

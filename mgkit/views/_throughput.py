@@ -8,21 +8,18 @@ import math
 import operator
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import _contexts
-from .._ledger import Event, Ledger
+from .._ledger import Event, Kind, Ledger
 from . import _svg
 from ._base import Plotted
 from ._format import duration, rate_text
 from ._live import COMPILES, CompileClock, check_count
-from ._png import draw_throughput
+from ._png import Trace, draw_throughput
 from ._svg import by_source
-
-RATE_KINDS = frozenset({"step", "run"})
-"""Compute events that say how many samples they processed."""
 
 
 def samples_per_second(event: Event, seconds: float | None = None) -> float | None:
@@ -31,7 +28,7 @@ def samples_per_second(event: Event, seconds: float | None = None) -> float | No
     event does not say."""
     try:
         info = event.info
-        if event.kind == "step":
+        if event.kind == Kind.STEP:
             rate = float(info["samples_per_second"])
         else:
             rate = info["rows"] / (event.seconds if seconds is None else seconds)
@@ -40,10 +37,28 @@ def samples_per_second(event: Event, seconds: float | None = None) -> float | No
     return rate if 0.0 <= rate < math.inf else None
 
 
-class _Series:
-    """One context's recent points: completion time, samples per second, seconds per step (a
-    fit's iteration, or a call) without compilation, the compilation taken out, and what the
-    point came from (a fit, or a function and path: lines join only points of one source)."""
+class Point(NamedTuple):
+    """One point of a throughput line: one step or run event, or several of one source summed."""
+
+    t: float  # when it ended, seconds since the view started
+    rate: float  # samples per second
+    step: float  # seconds per step (a fit's iteration, or one call), compilation left out
+    compiled: float  # seconds of compilation taken out of its time
+    samples: float  # the samples it covers (to sum points)
+    steps: int  # the steps it covers
+
+
+class Series(NamedTuple):
+    """One line's points as arrays (``ThroughputView.series()``)."""
+
+    t: np.ndarray  # when each point ended, seconds since the view started
+    rate: np.ndarray  # samples per second
+    step: np.ndarray  # seconds per step (a fit's iteration, or one call), compilation left out
+
+
+class _Line:
+    """One line's recent points (a context, or one member of an ensemble on it), each with what
+    it came from (a fit, or a function and path: lines join only points of one source)."""
 
     __slots__ = ("compiled", "device", "loss", "rate", "source", "step", "t")
 
@@ -56,44 +71,87 @@ class _Series:
         self.compiled: collections.deque[float] = collections.deque(maxlen=history)
         self.source: collections.deque[str] = collections.deque(maxlen=history)
 
-    def add(self, t: float, rate: float, step: float, compiled: float, source: str) -> None:
-        self.t.append(t)
-        self.rate.append(rate)
-        self.step.append(step)
-        self.compiled.append(compiled)
+    def add(self, point: Point, source: str) -> None:
+        self.t.append(point.t)
+        self.rate.append(point.rate)
+        self.step.append(point.step)
+        self.compiled.append(point.compiled)
         self.source.append(source)
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return tuple(np.fromiter(d, np.float64, len(d)) for d in (self.t, self.rate, self.step))
+    def series(self) -> Series:
+        return Series(*(np.fromiter(d, np.float64, len(d)) for d in (self.t, self.rate, self.step)))
+
+    def trace(self) -> Trace:
+        t, rate, step = self.series()
+        compiled = np.fromiter(self.compiled, np.float64, len(self.compiled))
+        return Trace(t, rate, step, compiled, list(self.source))
+
+
+class _Source(NamedTuple):
+    """What a line's points come from: a fit's steps, or a function's runs, on one context."""
+
+    context: str  # where the events ran
+    step: bool  # True: a fit's step events; False: a function's run events
+    name: str | None  # the fit (info ``what``) or the function (info ``fn``)
+    path: str | None  # how the function ran (info ``path``); None for a fit
+
+    def label(self) -> str:
+        return str(self.name or "") if self.step else f"{self.name or ''} ({self.path or ''})"
+
+
+class _Numbered(NamedTuple):
+    """An event and its place among the events of one refresh."""
+
+    order: int  # points are added to their lines in this order
+    event: Event
+
+
+class _Placed(NamedTuple):
+    """A point and the place of its (last) event among the events of one refresh."""
+
+    order: int  # as _Numbered.order
+    point: Point
+
+
+class _Arrival(NamedTuple):
+    """A point on its way to its line."""
+
+    order: int  # as _Numbered.order
+    point: Point
+    line: str  # the line's name: the context, or ``context:member``
+    device: str  # the context's device
+    source: str  # _Source.label()
 
 
 _MERGE_OVER = 4  # events of one source and context per refresh shown one by one, at most
+_ORDER = operator.attrgetter("order")
 
 
-def _merged(parts: list[tuple]) -> tuple:
+def _merged(points: list[Point]) -> Point:
     """One point for several of one source: the last time, all samples over all the time, all
     the time over all the steps, the compilation left out of all of them."""
-    samples = sum(p[4][0] for p in parts)
-    steps = sum(p[4][1] for p in parts)
-    seconds = sum(p[2] * p[4][1] for p in parts)
-    return (
-        max(p[0] for p in parts),
-        samples / seconds if seconds > 0 else parts[-1][1],
+    samples = sum(p.samples for p in points)
+    steps = sum(p.steps for p in points)
+    seconds = sum(p.step * p.steps for p in points)
+    return Point(
+        max(p.t for p in points),
+        samples / seconds if seconds > 0 else points[-1].rate,
         seconds / steps,
-        sum(p[3] for p in parts),
-        (samples, steps),
+        sum(p.compiled for p in points),
+        samples,
+        steps,
     )
 
 
 _BUCKET = 10.0  # events per source and context that end within 1 / _BUCKET s may make one point
 
 
-def _chunks(group: list[tuple[int, Event]]) -> list[list[tuple[int, Event]]]:
+def _chunks(group: list[_Numbered]) -> list[list[_Numbered]]:
     """``group`` cut where an event ends in another tenth of a second than the one before."""
-    out: list[list[tuple[int, Event]]] = []
+    out: list[list[_Numbered]] = []
     last = None
     for item in group:
-        e = item[1]
+        e = item.event
         bucket = int((e.start + e.seconds) * _BUCKET)
         if bucket != last:
             out.append([item])
@@ -103,16 +161,16 @@ def _chunks(group: list[tuple[int, Event]]) -> list[list[tuple[int, Event]]]:
     return out
 
 
-def _summed_runs(group: list[tuple[int, Event]], spans: list, ends: list, t0: float) -> list | None:
+def _summed_runs(group: list[_Numbered], spans: list, ends: list, t0: float) -> _Placed | None:
     """The one point of many run events of one function on one context, summed in one pass;
     None where that does not apply (step events, a compilation during them, an event that does
     not say its rows), and the caller takes them one by one."""
     rows = 0
     seconds = 0.0
-    start = end = group[0][1].start
+    start = end = group[0].event.start
     try:
         for _, e in group:
-            if e.kind != "run":
+            if e.kind != Kind.RUN:
                 return None
             rows += e.info["rows"]
             seconds += e.seconds
@@ -124,7 +182,8 @@ def _summed_runs(group: list[tuple[int, Event]], spans: list, ends: list, t0: fl
         return None
     if spans and CompileClock.within(spans, ends, start, end) > 0:
         return None
-    return [(group[-1][0], (end - t0, rows / seconds, seconds / len(group), 0.0, (rows, len(group))))]
+    steps = len(group)
+    return _Placed(group[-1].order, Point(end - t0, rows / seconds, seconds / steps, 0.0, rows, steps))
 
 
 class ThroughputView(Plotted):
@@ -157,7 +216,7 @@ class ThroughputView(Plotted):
     ...
     """
 
-    kinds = RATE_KINDS
+    kinds = Kind.RATE
     css_class = "mgkit-throughput"
     headers = (
         "context",
@@ -181,14 +240,14 @@ class ThroughputView(Plotted):
     ):
         super().__init__(rate, ledger, widget, live, contexts)
         self.history = check_count(history, "history", self._where, 2, 100_000, 300)
-        self._series: dict[str, _Series] = {}
+        self._series: dict[str, _Line] = {}  # line name -> its points
         self._last: dict[tuple[str, str], int] = {}  # (context, fit) -> its last step's iteration
         self._t0 = time.time()
         COMPILES.listen()  # from now on, calls that compile are timed without their compilation
         self._start()
 
     def _seed(self) -> None:
-        events = [e for e in self._ledger.records() if e.kind in RATE_KINDS]
+        events = [e for e in self._ledger.records() if e.kind in Kind.RATE]
         if events:
             self._t0 = min(self._t0, min(e.start + e.seconds for e in events))
         self._fold(events)
@@ -204,65 +263,84 @@ class ThroughputView(Plotted):
         make one point (their samples over their time, their time over their steps), whether
         they arrive live or are read from the ledger later.
         """
-        groups: dict[tuple, list[tuple[int, Event]]] = {}  # per context and fit, or function and path
+        groups = self._grouped(events)
+        if not groups:
+            return False
+        spans = COMPILES.spans()
+        ends = [end for end, _ in spans]
+        arrivals: list[_Arrival] = []
+        losses: dict[str, float] = {}
+        for key, group in groups.items():
+            source = _Source._make(key)
+            first = group[0].event
+            member = first.info.get("member") if source.step else None
+            ctx = source.context
+            line = ctx if member is None or member == ctx else f"{ctx}:{member}"  # a line per model
+            label = source.label()
+            for placed in self._points(group, label, spans, ends):
+                arrivals.append(_Arrival(placed.order, placed.point, line, first.src_device, label))
+            loss = group[-1].event.info.get("loss") if source.step else None
+            if loss is not None:
+                losses[line] = loss
+        arrivals.sort(key=_ORDER)
+        lines, history = self._series, self.history
+        for a in arrivals:
+            line = lines.get(a.line)
+            if line is None:
+                line = lines[a.line] = _Line(history, a.device)
+            line.add(a.point, a.source)
+        for name, loss in losses.items():
+            if name in lines:
+                lines[name].loss = float(loss)
+        return bool(arrivals)
+
+    def _grouped(self, events: list[Event]) -> dict[tuple, list[_Numbered]]:
+        """The events of the contexts shown, by source (keys: a ``_Source``'s fields; a plain
+        tuple per event is cheaper to make), each in arrival order; events without info left out."""
+        groups: dict[tuple, list[_Numbered]] = {}
         contexts = self.contexts
         for i, e in enumerate(events):
             if contexts is not None and e.src not in contexts:
                 continue
             info = e.info
             try:
-                if e.kind == "step":
-                    key = (e.src, "step", info.get("what"))
+                if e.kind == Kind.STEP:
+                    key = (e.src, True, info.get("what"), None)
                 else:
-                    key = (e.src, info.get("fn"), info.get("path"))
+                    key = (e.src, False, info.get("fn"), info.get("path"))
             except AttributeError:  # no info: no rate
                 continue
             group = groups.get(key)
             if group is None:
-                groups[key] = [(i, e)]
+                groups[key] = [_Numbered(i, e)]
             else:
-                group.append((i, e))
-        if not groups:
-            return False
-        spans = COMPILES.spans()
-        ends = [end for end, _ in spans]
-        points: list[tuple] = []  # (arrival, point, line, device, source): shown in arrival order
-        losses: dict[str, float] = {}
-        for (ctx, a, b), group in groups.items():
-            source = str(b or "") if a == "step" else f"{a or ''} ({b or ''})"
-            device = group[0][1].src_device
-            member = group[0][1].info.get("member") if a == "step" else None
-            name = ctx if member is None or member == ctx else f"{ctx}:{member}"  # a line per model
-            for chunk in _chunks(group) if len(group) > _MERGE_OVER else (group,):
-                parts = _summed_runs(chunk, spans, ends, self._t0) if len(chunk) > _MERGE_OVER else None
-                if parts is None:
-                    parts = [(i, self._point(e, source, spans, ends)) for i, e in chunk]
-                    parts = [(i, p) for i, p in parts if p is not None]
-                    if len(parts) > _MERGE_OVER:
-                        parts = [(parts[-1][0], _merged([p for _, p in parts]))]
-                points.extend((i, p, name, device, source) for i, p in parts)
-            loss = group[-1][1].info.get("loss") if a == "step" else None
-            if loss is not None:
-                losses[name] = loss
-        points.sort(key=operator.itemgetter(0))
-        series, history = self._series, self.history
-        for _, (t, rate, step, compiled, _), ctx, device, source in points:
-            line = series.get(ctx)
-            if line is None:
-                line = series[ctx] = _Series(history, device)
-            line.add(t, rate, step, compiled, source)
-        for ctx, loss in losses.items():
-            if ctx in series:
-                series[ctx].loss = float(loss)
-        return bool(points)
+                group.append(_Numbered(i, e))
+        return groups
 
-    def _point(self, e: Event, source: str, spans: list, ends: list) -> tuple | None:
-        """(time, samples/s, seconds per step, compile seconds left out, (samples, steps)) of one
-        event, or None when it says no rate."""
+    def _points(self, group: list[_Numbered], source: str, spans: list, ends: list) -> list[_Placed]:
+        """The points of one source's events: one per event, or summed (see ``_fold``)."""
+        out: list[_Placed] = []
+        for chunk in _chunks(group) if len(group) > _MERGE_OVER else (group,):
+            summed = _summed_runs(chunk, spans, ends, self._t0) if len(chunk) > _MERGE_OVER else None
+            if summed is not None:
+                out.append(summed)
+                continue
+            parts = []
+            for n in chunk:
+                point = self._point(n.event, source, spans, ends)
+                if point is not None:
+                    parts.append(_Placed(n.order, point))
+            if len(parts) > _MERGE_OVER:
+                parts = [_Placed(parts[-1].order, _merged([p.point for p in parts]))]
+            out.extend(parts)
+        return out
+
+    def _point(self, e: Event, source: str, spans: list, ends: list) -> Point | None:
+        """The point of one event, or None when it says no rate."""
         compiled = 0.0
         seconds = e.seconds
         steps = 1
-        if e.kind != "step":
+        if e.kind != Kind.STEP:
             if spans:
                 compiled = min(COMPILES.within(spans, ends, e.start, e.start + seconds), seconds)
                 seconds -= compiled
@@ -271,39 +349,30 @@ class ThroughputView(Plotted):
         rate = samples_per_second(e, seconds)
         if rate is None:
             return None
-        if e.kind == "step":
+        if e.kind == Kind.STEP:
             iteration = e.info.get("iteration")
             last_iteration = self._last.get((e.src, source), 0)
             if isinstance(iteration, int) and iteration > 0:
                 steps = iteration - last_iteration if iteration > last_iteration else iteration
                 self._last[(e.src, source)] = iteration
-        return e.start + e.seconds - self._t0, rate, seconds / steps, compiled, (rate * seconds, steps)
+        return Point(e.start + e.seconds - self._t0, rate, seconds / steps, compiled, rate * seconds, steps)
 
-    def series(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def series(self) -> dict[str, Series]:
         """context -> (time in s since the view started, samples per second, seconds per step),
         in the context map's order. A step is a fit's iteration or one parallel call; its time
         leaves out compilation."""
         self.refresh()
-        return self._arrays()
+        return {name: line.series() for name, line in self._ordered()}
 
-    def _ordered(self) -> list[tuple[str, _Series]]:
+    def _ordered(self) -> list[tuple[str, _Line]]:
         order = {n: i for i, n in enumerate(_contexts.context_map().names)}
         return sorted(
             self._series.items(),
             key=lambda item: (order.get(item[0].split(":")[0], len(order)), item[0]),
         )
 
-    def _arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        return {name: points.arrays() for name, points in self._ordered()}
-
-    def _plotted(self) -> dict[str, tuple]:
-        """context -> (time, samples/s, step seconds, compile seconds taken out, sources)."""
-        out = {}
-        for name, points in self._ordered():
-            t, rate, step = points.arrays()
-            compiled = np.fromiter(points.compiled, np.float64, len(points.compiled))
-            out[name] = (t, rate, step, compiled, list(points.source))
-        return out
+    def _traces(self) -> dict[str, Trace]:
+        return {name: line.trace() for name, line in self._ordered()}
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
         changed = self._fold(events)
@@ -351,18 +420,16 @@ class ThroughputView(Plotted):
         return _svg.colors([*_contexts.context_map().names, *names])
 
     def svg(self) -> str:
-        series = self._plotted()
-        rates, steps = {}, {}
-        for name, (t, rate, step, _, sources) in series.items():
-            rates[name] = by_source(t, rate, sources)
-            steps[name] = by_source(t, step * 1e3, sources)
+        traces = self._traces()
+        rates = {name: by_source(tr.t, tr.rate, tr.sources) for name, tr in traces.items()}
+        steps = {name: by_source(tr.t, tr.step * 1e3, tr.sources) for name, tr in traces.items()}
         panels = [("samples/s", rates), ("ms per step", steps)]
         title = "throughput per context (compilation left out of step times)"
-        return _svg.lines(panels, self._palette(series), title, "time since the view started (s)", log=True)
+        return _svg.lines(panels, self._palette(traces), title, "time since the view started (s)", log=True)
 
     def _draw(self, ax_rate: Any, ax_step: Any) -> None:
-        series = self._plotted()
-        draw_throughput(ax_rate, ax_step, series, self._palette(series))
+        traces = self._traces()
+        draw_throughput(ax_rate, ax_step, traces, self._palette(traces))
 
     def _draw_figure(self, fig: Any) -> None:
         self._draw(*fig.subplots(2, 1, sharex=True))

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import _contexts
-from .._ledger import Event, Ledger, Matrix, short_label
+from .._ledger import Event, Kind, Ledger, Matrix, short_label
 from .._table import human_bytes
 from . import _svg
 from ._base import Plotted
@@ -20,8 +20,6 @@ from ._format import cell_name, gbps
 from ._live import check_count
 from ._png import draw_heatmap
 
-COMPUTE_KINDS = frozenset({"step", "run", "forward", "backward", "update"})
-"""Event kinds that are work on a context; every other kind moves bytes."""
 _START = operator.attrgetter("start")
 
 
@@ -53,7 +51,7 @@ class TransferView(Plotted):
     ...
     """
 
-    kinds = COMPUTE_KINDS
+    kinds = Kind.COMPUTE
     exclude = True
     css_class = "mgkit-transfers"
     figsize = (6.0, 5.0)
@@ -83,7 +81,7 @@ class TransferView(Plotted):
 
     def _seed(self) -> None:
         events = [
-            e for e in self._ledger.records() if e.kind not in COMPUTE_KINDS and self._keep(e.src, e.dst)
+            e for e in self._ledger.records() if e.kind not in Kind.COMPUTE and self._keep(e.src, e.dst)
         ]
         self._recent.extend(events[-self.max_rows :])
 
@@ -103,7 +101,7 @@ class TransferView(Plotted):
         seconds = 0.0
         kept = []
         for (kind, src, dst), (c, b, t) in totals.items():
-            if kind in COMPUTE_KINDS or not self._keep(src, dst):
+            if kind in Kind.COMPUTE or not self._keep(src, dst):
                 continue
             count, nbytes, seconds = count + c, nbytes + b, seconds + t
             kept.append((src, dst, b))
