@@ -83,6 +83,7 @@ class LiveView(abc.ABC):
         self._feed: Feed | None = None
         self._next = 0.0
         self._box: Any = None
+        self._html: Any = None  # the HTML widget, where the view has one
         self.updates = 0
         self.errors = 0
         self.closed = False
@@ -121,9 +122,16 @@ class LiveView(abc.ABC):
     def html(self) -> str:
         """The view as static HTML."""
 
-    @abc.abstractmethod
     def _build(self, widgets: Any) -> Any:
-        """Makes the view's widgets (on the main thread); returns the box that holds them."""
+        """Makes the view's widgets (on the main thread); returns the box that holds them. Here:
+        one HTML widget that shows ``html()``."""
+        self._html = widgets.HTML()
+        return widgets.VBox([self._html])
+
+    def _show_html(self) -> None:
+        """Sets the view's HTML widget to ``html()`` (a text view has none)."""
+        if self._box is not None:
+            self._html.value = self.html()
 
     @abc.abstractmethod
     def _draw_figure(self, fig: Any) -> None:

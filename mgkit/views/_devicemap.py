@@ -145,8 +145,7 @@ class DeviceMap(LiveView):
         if rows == self._state:
             return False
         self._state = rows
-        if self._box is not None:
-            self._html.value = self.html()
+        self._show_html()
         return True
 
     def _title(self) -> str:
@@ -181,10 +180,6 @@ class DeviceMap(LiveView):
         note = self._note()
         foot = f'<div style="font-size:11px;color:#666">{html.escape(note)}</div>' if note else ""
         return html_table(self.headers, rows, self._title(), attrs) + foot
-
-    def _build(self, widgets: Any) -> Any:
-        self._html = widgets.HTML()
-        return widgets.VBox([self._html])
 
     def _draw(self, ax: Any) -> None:
         draw_memory(ax, self._bars())

@@ -57,8 +57,7 @@ class Header(LiveView):
         if text == self._text:
             return False
         self._text = text
-        if self._box is not None:
-            self._html.value = self.html()
+        self._show_html()
         return True
 
     def text(self) -> str:
@@ -67,10 +66,6 @@ class Header(LiveView):
     def html(self) -> str:
         lines = "<br>".join(map(html.escape, self._text.splitlines()))
         return f'<div style="font-family:monospace;font-size:12px">{lines}</div>'
-
-    def _build(self, widgets: Any) -> Any:
-        self._html = widgets.HTML()
-        return widgets.VBox([self._html])
 
     def _draw_figure(self, fig: Any) -> None:
         fig.text(0.01, 0.5, self._text, va="center", fontsize=8, family="monospace")

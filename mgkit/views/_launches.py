@@ -294,8 +294,7 @@ class LaunchView(LiveView):
         if shown == self._shown:
             return False
         self._shown = shown
-        if self._box is not None:
-            self._html.value = self.html()
+        self._show_html()
         return True
 
     def _rows(self) -> list[tuple]:
@@ -317,10 +316,6 @@ class LaunchView(LiveView):
             output = Markup(f'<div style="{_OUTPUT_STYLE}">{"<br>".join(map(esc, r.output))}</div>')
             cells.append((r.rank, r.pid, r.devices, state, r.beat, output))
         return html_table(self.headers, cells, title, [{"class": f"mgkit-rank-{r.state}"} for r in rows])
-
-    def _build(self, widgets: Any) -> Any:
-        self._html = widgets.HTML()
-        return widgets.VBox([self._html])
 
     def _figsize(self) -> tuple[float, float]:
         return 10.0, 0.25 * (len(self._shown.rows) + 3) + 0.4

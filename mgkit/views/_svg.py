@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,8 +94,86 @@ def _marker(i: int, color: str) -> str:
     )
 
 
+class Panel(NamedTuple):
+    """One panel of ``lines``."""
+
+    y_label: str  # the text beside its y axis
+    series: Mapping[str, tuple[np.ndarray, np.ndarray]]  # name -> (x, y) of each of its lines
+
+
+class _Box(NamedTuple):
+    """Where a panel is drawn, in pixels, and the x values its width spans."""
+
+    left: float
+    top: float
+    width: float
+    height: float
+    x0: float
+    x1: float
+
+
+class _YScale(NamedTuple):
+    """A panel's y axis."""
+
+    ticks: list[float]  # the values marked with a grid line
+    scale: Callable[[np.ndarray], np.ndarray]  # values -> share of the panel's height (0 at the bottom)
+    logged: bool  # True: a log scale
+
+
+def _y_scale(series: Mapping[str, tuple[np.ndarray, np.ndarray]], log: bool) -> _YScale:
+    """The y axis for ``series``: log where asked and the positive values span more than a
+    factor of 20, else linear from 0."""
+    ys = [np.asarray(y, float) for _, y in series.values() if len(y)]
+    ys = [y[np.isfinite(y)] for y in ys]
+    ys = [y for y in ys if y.size]
+    y_max = max(float(y.max()) for y in ys) if ys else 0.0
+    positive = [y[y > 0] for y in ys if (y > 0).any()]
+    y_min = min(float(y.min()) for y in positive) if positive else 0.0
+    if log and y_min > 0 and y_max > 20 * y_min:
+        lo, hi = math.floor(math.log10(y_min)), math.ceil(math.log10(y_max))
+
+        def logged(y: np.ndarray) -> np.ndarray:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return (np.log10(np.where(y > 0, y, np.nan)) - lo) / (hi - lo)
+
+        return _YScale([10.0**e for e in range(lo, hi + 1)], logged, True)
+    top = y_max * 1.05 if y_max > 0 else 1.0
+    return _YScale([top * k / 2 for k in range(3)], lambda y: y / top, False)
+
+
+def _panel(
+    box: _Box, panel: Panel, palette: Mapping[str, str], markers: Mapping[str, str], log: bool
+) -> list[str]:
+    """One panel's frame, grid, y labels and lines."""
+    left, top, width, height, x0, x1 = box
+    axis = _y_scale(panel.series, log)
+    out = [f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="#bbb"/>']
+    for v in axis.ticks:
+        y = top + height - height * float(axis.scale(np.array([v]))[0])
+        out.append(f'<line x1="{left}" x2="{left + width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
+        out.append(_text(left - 4, y + 3, compact(v), "end"))
+    mid = top + height / 2
+    label = f"{panel.y_label} (log)" if axis.logged else panel.y_label
+    out.append(_text(12, mid, label, "middle", f' transform="rotate(-90 12 {mid:.1f})"'))
+    for name, (x, y) in panel.series.items():
+        if not len(x):
+            continue
+        x, y = _thin(np.asarray(x, float), np.asarray(y, float))
+        px = left + (x - x0) / (x1 - x0) * width
+        py = top + height - np.clip(axis.scale(y), 0.0, 1.0) * height
+        finite = np.isfinite(px) & np.isfinite(py)
+        color = palette.get(name, "#333")
+        ends = f"url(#{markers[name]})"
+        for points in _segments(px, py, finite):
+            out.append(
+                f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.2" '
+                f'stroke-opacity="0.7" marker-start="{ends}" marker-mid="{ends}" marker-end="{ends}"/>'
+            )
+    return out
+
+
 def lines(
-    panels: Sequence[tuple[str, Mapping[str, tuple[np.ndarray, np.ndarray]]]],
+    panels: Sequence[Panel],
     palette: Mapping[str, str],
     title: str,
     x_label: str,
@@ -106,7 +185,7 @@ def lines(
     each; a NaN in y breaks a line.
 
     Args:
-      panels: (y label, {name: (x, y)}) from top to bottom.
+      panels: from top to bottom.
       palette: name -> colour.
       title, x_label: text above the panels and below the x axis.
       log: a log y scale in a panel whose positive values span more than a factor of 20.
@@ -114,13 +193,13 @@ def lines(
     left, right, top, gap, bottom = 56, 10, 34, 14, 30
     height = top + len(panels) * panel_height + (len(panels) - 1) * gap + bottom
     plot_w = width - left - right
-    xs = [x[np.isfinite(x)] for _, series in panels for x, _ in series.values() if len(x)]
+    xs = [x[np.isfinite(x)] for panel in panels for x, _ in panel.series.values() if len(x)]
     xs = [x for x in xs if x.size]
     x0 = min(float(x.min()) for x in xs) if xs else 0.0
     x1 = max(float(x.max()) for x in xs) if xs else 1.0
     if x1 <= x0:
         x0, x1 = x0 - 0.5, x0 + 0.5
-    names = list(dict.fromkeys(n for _, series in panels for n in series))
+    names = list(dict.fromkeys(n for panel in panels for n in panel.series))
     markers = {name: f"m{i}" for i, name in enumerate(names)}
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -133,52 +212,9 @@ def lines(
         label = _text(lx + 12, 26, name)
         out.append(f'<rect x="{lx}" y="19" width="9" height="9" fill="{palette.get(name, "#333")}"/>{label}')
         lx += 22 + 6 * len(name)
-    for p, (y_label, series) in enumerate(panels):
-        y_top = top + p * (panel_height + gap)
-        ys = [np.asarray(y, float) for _, y in series.values() if len(y)]
-        ys = [y[np.isfinite(y)] for y in ys]
-        ys = [y for y in ys if y.size]
-        y_max = max(float(y.max()) for y in ys) if ys else 0.0
-        positive = [y[y > 0] for y in ys if (y > 0).any()]
-        y_min = min(float(y.min()) for y in positive) if positive else 0.0
-        logged = log and y_min > 0 and y_max > 20 * y_min
-        if logged:
-            lo, hi = math.floor(math.log10(y_min)), math.ceil(math.log10(y_max))
-            ticks = [10.0**e for e in range(lo, hi + 1)]
-
-            def scale(y: np.ndarray, lo=lo, hi=hi) -> np.ndarray:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    return (np.log10(np.where(y > 0, y, np.nan)) - lo) / (hi - lo)
-        else:
-            y_max = y_max * 1.05 if y_max > 0 else 1.0
-            ticks = [y_max * k / 2 for k in range(3)]
-
-            def scale(y: np.ndarray, y_max=y_max) -> np.ndarray:
-                return y / y_max
-
-        frame = f'x="{left}" y="{y_top}" width="{plot_w}" height="{panel_height}"'
-        out.append(f'<rect {frame} fill="none" stroke="#bbb"/>')
-        for v in ticks:
-            y = y_top + panel_height - panel_height * float(scale(np.array([v]))[0])
-            out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
-            out.append(_text(left - 4, y + 3, compact(v), "end"))
-        mid = y_top + panel_height / 2
-        label = f"{y_label} (log)" if logged else y_label
-        out.append(_text(12, mid, label, "middle", f' transform="rotate(-90 12 {mid:.1f})"'))
-        for name, (x, y) in series.items():
-            if not len(x):
-                continue
-            x, y = _thin(np.asarray(x, float), np.asarray(y, float))
-            px = left + (x - x0) / (x1 - x0) * plot_w
-            py = y_top + panel_height - np.clip(scale(y), 0.0, 1.0) * panel_height
-            finite = np.isfinite(px) & np.isfinite(py)
-            color = palette.get(name, "#333")
-            ends = f"url(#{markers[name]})"
-            for points in _segments(px, py, finite):
-                out.append(
-                    f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.2" '
-                    f'stroke-opacity="0.7" marker-start="{ends}" marker-mid="{ends}" marker-end="{ends}"/>'
-                )
+    for p, panel in enumerate(panels):
+        box = _Box(left, top + p * (panel_height + gap), plot_w, panel_height, x0, x1)
+        out += _panel(box, panel, palette, markers, log)
     y_axis = top + len(panels) * panel_height + (len(panels) - 1) * gap
     out.append(_text(left, y_axis + 12, compact(x0)))
     out.append(_text(left + plot_w, y_axis + 12, compact(x1), "end"))

@@ -378,8 +378,7 @@ class ThroughputView(Plotted):
         changed = self._fold(events)
         if changed:
             self._version += 1
-            if self._box is not None:
-                self._html.value = self.html()
+            self._show_html()
         if self._redraw(budgeted):
             self._redraw_label.value = f"redraws: {self.redraws}"
             changed = True
@@ -423,7 +422,7 @@ class ThroughputView(Plotted):
         traces = self._traces()
         rates = {name: by_source(tr.t, tr.rate, tr.sources) for name, tr in traces.items()}
         steps = {name: by_source(tr.t, tr.step * 1e3, tr.sources) for name, tr in traces.items()}
-        panels = [("samples/s", rates), ("ms per step", steps)]
+        panels = [_svg.Panel("samples/s", rates), _svg.Panel("ms per step", steps)]
         title = "throughput per context (compilation left out of step times)"
         return _svg.lines(panels, self._palette(traces), title, "time since the view started (s)", log=True)
 
