@@ -4,6 +4,7 @@ with compilation taken out of the calls that compiled."""
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import operator
 import time
@@ -99,24 +100,31 @@ class _Source(NamedTuple):
         return str(self.name or "") if self.step else f"{self.name or ''} ({self.path or ''})"
 
 
-class _Numbered(NamedTuple):
-    """An event and its place among the events of one refresh."""
+class _Group:
+    """Events of one source from one refresh, in arrival order, with their places among all the
+    refresh's events (points are added to their lines in that order)."""
 
-    order: int  # points are added to their lines in this order
-    event: Event
+    __slots__ = ("events", "orders")
+
+    def __init__(self, events: list[Event] | None = None, orders: list[int] | None = None):
+        self.events: list[Event] = [] if events is None else events
+        self.orders: list[int] = [] if orders is None else orders
+
+    def __len__(self) -> int:
+        return len(self.events)
 
 
 class _Placed(NamedTuple):
     """A point and the place of its (last) event among the events of one refresh."""
 
-    order: int  # as _Numbered.order
+    order: int  # the place of its (last) event among the refresh's events
     point: Point
 
 
 class _Arrival(NamedTuple):
     """A point on its way to its line."""
 
-    order: int  # as _Numbered.order
+    order: int  # as _Placed.order
     point: Point
     line: str  # the line's name: the context, or ``context:member``
     device: str  # the context's device
@@ -146,30 +154,28 @@ def _merged(points: list[Point]) -> Point:
 _BUCKET = 10.0  # events per source and context that end within 1 / _BUCKET s may make one point
 
 
-def _chunks(group: list[_Numbered]) -> list[list[_Numbered]]:
+def _chunks(group: _Group) -> list[_Group]:
     """``group`` cut where an event ends in another tenth of a second than the one before."""
-    out: list[list[_Numbered]] = []
+    cuts = [0]
     last = None
-    for item in group:
-        e = item.event
+    for k, e in enumerate(group.events):
         bucket = int((e.start + e.seconds) * _BUCKET)
-        if bucket != last:
-            out.append([item])
-            last = bucket
-        else:
-            out[-1].append(item)
-    return out
+        if bucket != last and k:
+            cuts.append(k)
+        last = bucket
+    cuts.append(len(group))
+    return [_Group(group.events[lo:hi], group.orders[lo:hi]) for lo, hi in itertools.pairwise(cuts)]
 
 
-def _summed_runs(group: list[_Numbered], spans: list, ends: list, t0: float) -> _Placed | None:
+def _summed_runs(group: _Group, spans: list, ends: list, t0: float) -> _Placed | None:
     """The one point of many run events of one function on one context, summed in one pass;
     None where that does not apply (step events, a compilation during them, an event that does
     not say its rows), and the caller takes them one by one."""
     rows = 0
     seconds = 0.0
-    start = end = group[0].event.start
+    start = end = group.events[0].start
     try:
-        for _, e in group:
+        for e in group.events:
             if e.kind != Kind.RUN:
                 return None
             rows += e.info["rows"]
@@ -183,7 +189,7 @@ def _summed_runs(group: list[_Numbered], spans: list, ends: list, t0: float) -> 
     if spans and CompileClock.within(spans, ends, start, end) > 0:
         return None
     steps = len(group)
-    return _Placed(group[-1].order, Point(end - t0, rows / seconds, seconds / steps, 0.0, rows, steps))
+    return _Placed(group.orders[-1], Point(end - t0, rows / seconds, seconds / steps, 0.0, rows, steps))
 
 
 class ThroughputView(Plotted):
@@ -272,14 +278,14 @@ class ThroughputView(Plotted):
         losses: dict[str, float] = {}
         for key, group in groups.items():
             source = _Source._make(key)
-            first = group[0].event
+            first = group.events[0]
             member = first.info.get("member") if source.step else None
             ctx = source.context
             line = ctx if member is None or member == ctx else f"{ctx}:{member}"  # a line per model
             label = source.label()
             for placed in self._points(group, label, spans, ends):
                 arrivals.append(_Arrival(placed.order, placed.point, line, first.src_device, label))
-            loss = group[-1].event.info.get("loss") if source.step else None
+            loss = group.events[-1].info.get("loss") if source.step else None
             if loss is not None:
                 losses[line] = loss
         arrivals.sort(key=_ORDER)
@@ -294,17 +300,17 @@ class ThroughputView(Plotted):
                 lines[name].loss = float(loss)
         return bool(arrivals)
 
-    def _grouped(self, events: list[Event]) -> dict[tuple, list[_Numbered]]:
+    def _grouped(self, events: list[Event]) -> dict[tuple, _Group]:
         """The events of the contexts shown, by source (keys: a ``_Source``'s fields; a plain
         tuple per event is cheaper to make), each in arrival order; events without info left out."""
-        groups: dict[tuple, list[_Numbered]] = {}
-        contexts = self.contexts
+        groups: dict[tuple, _Group] = {}
+        contexts, step = self.contexts, Kind.STEP
         for i, e in enumerate(events):
             if contexts is not None and e.src not in contexts:
                 continue
             info = e.info
             try:
-                if e.kind == Kind.STEP:
+                if e.kind == step:
                     key = (e.src, True, info.get("what"), None)
                 else:
                     key = (e.src, False, info.get("fn"), info.get("path"))
@@ -312,12 +318,12 @@ class ThroughputView(Plotted):
                 continue
             group = groups.get(key)
             if group is None:
-                groups[key] = [_Numbered(i, e)]
-            else:
-                group.append(_Numbered(i, e))
+                group = groups[key] = _Group()
+            group.events.append(e)
+            group.orders.append(i)
         return groups
 
-    def _points(self, group: list[_Numbered], source: str, spans: list, ends: list) -> list[_Placed]:
+    def _points(self, group: _Group, source: str, spans: list, ends: list) -> list[_Placed]:
         """The points of one source's events: one per event, or summed (see ``_fold``)."""
         out: list[_Placed] = []
         for chunk in _chunks(group) if len(group) > _MERGE_OVER else (group,):
@@ -325,14 +331,17 @@ class ThroughputView(Plotted):
             if summed is not None:
                 out.append(summed)
                 continue
-            parts = []
-            for n in chunk:
-                point = self._point(n.event, source, spans, ends)
+            points: list[Point] = []
+            orders: list[int] = []
+            for order, e in zip(chunk.orders, chunk.events, strict=True):
+                point = self._point(e, source, spans, ends)
                 if point is not None:
-                    parts.append(_Placed(n.order, point))
-            if len(parts) > _MERGE_OVER:
-                parts = [_Placed(parts[-1].order, _merged([p.point for p in parts]))]
-            out.extend(parts)
+                    points.append(point)
+                    orders.append(order)
+            if len(points) > _MERGE_OVER:
+                out.append(_Placed(orders[-1], _merged(points)))
+            else:
+                out.extend(map(_Placed, orders, points))
         return out
 
     def _point(self, e: Event, source: str, spans: list, ends: list) -> Point | None:
@@ -340,7 +349,8 @@ class ThroughputView(Plotted):
         compiled = 0.0
         seconds = e.seconds
         steps = 1
-        if e.kind != Kind.STEP:
+        is_step = e.kind == Kind.STEP
+        if not is_step:
             if spans:
                 compiled = min(COMPILES.within(spans, ends, e.start, e.start + seconds), seconds)
                 seconds -= compiled
@@ -349,7 +359,7 @@ class ThroughputView(Plotted):
         rate = samples_per_second(e, seconds)
         if rate is None:
             return None
-        if e.kind == Kind.STEP:
+        if is_step:
             iteration = e.info.get("iteration")
             last_iteration = self._last.get((e.src, source), 0)
             if isinstance(iteration, int) and iteration > 0:
