@@ -50,7 +50,8 @@ class LiveView(abc.ABC):
 
     A subclass sets its state, then calls ``_start()``; it implements ``_update(events,
     budgeted)`` (fold events into its state and set widget values; True when anything
-    changed), ``text()``, ``html()``, ``_build(widgets)`` and ``_draw_figure(fig)``.
+    changed), ``text()``, ``html()`` and ``_draw_figure(fig)``; ``_build(widgets)`` where its
+    widget is more than one HTML widget showing ``html()`` (``_show_html()`` updates that one).
     """
 
     kinds: ClassVar[frozenset[str] | None] = None  # event kinds the view follows; None: no feed

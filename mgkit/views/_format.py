@@ -6,10 +6,12 @@ import math
 
 
 def cell_name(label: int | None) -> str:
+    """``In [7]`` for the cell an event was recorded in ("" outside IPython)."""
     return "" if label is None else f"In [{label}]"
 
 
 def gbps(nbytes: float, seconds: float) -> str:
+    """Gigabytes per second, ``12.34``; ``n/a`` without bytes or time."""
     return f"{nbytes / seconds / 1e9:.2f}" if seconds > 0 and nbytes else "n/a"
 
 
@@ -23,4 +25,5 @@ def duration(seconds: float) -> str:
 
 
 def rate_text(value: float) -> str:
+    """Samples per second: ``12,345``, ``4.56``; ``n/a`` when not finite."""
     return "n/a" if not math.isfinite(value) else f"{value:,.0f}" if value >= 100 else f"{value:.3g}"

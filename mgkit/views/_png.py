@@ -47,6 +47,7 @@ def figure(width: float, height: float, dpi: int = 100) -> Any:
 
 
 def write_png(fig: Any, path: str, dpi: int) -> None:
+    """Saves ``fig`` as a PNG file."""
     fig.savefig(path, format="png", dpi=dpi)
 
 

@@ -1,4 +1,5 @@
-"""Small SVG drawings for the live views: line panels and a heatmap.
+"""Small SVG drawings for the live views: line panels and a heatmap (and ``by_source``, which
+joins each source's points into one line, for these lines and the matplotlib ones).
 
 A live view redraws many times while a cell runs, on a thread that shares the interpreter with
 the compute loop, so a picture must cost about a millisecond: these are plain SVG text, which
