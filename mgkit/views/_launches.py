@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from .. import launching
 from .._ledger import Event, Kind, Ledger
 from .._table import Markup, html_table
-from ..launching import TAIL, RankInfo
+from ..launching import TAIL, RankEvent, RankInfo, Running
 from ._base import LiveView
 from ._format import cell_name
 from ._live import check_count
@@ -98,45 +98,6 @@ def launch_rows(ranks: Iterable[RankInfo], lines: int, now: float | None = None)
     )
 
 
-# -- the ledger's launch events, read back ------------------------------------------------------
-
-
-class RankEvent(NamedTuple):
-    """A rank's ``launch`` event in the ledger, read back."""
-
-    rank: int  # the rank's number, from dst ``rank<r>``
-    pid: int  # its process id
-    what: str  # what happened: ready, done, failed or stalled
-    state: str  # its RankInfo.state when recorded ("" when not recorded)
-    devices: tuple[str, ...]  # its devices' short names (() when not recorded)
-    start: float  # Event.start
-    seconds: float  # Event.seconds
-    label: int | None  # the cell that ran the launch
-
-    @property
-    def end(self) -> float:
-        """When the event ended (``start + seconds``)."""
-        return self.start + self.seconds
-
-
-def rank_event(event: Event) -> RankEvent | None:
-    """The rank event ``event`` records, or None when it is not one (another kind, or fields
-    that do not read as a rank, a pid and what happened)."""
-    if event.kind != Kind.LAUNCH:
-        return None
-    info = event.info
-    try:
-        rank = int(event.dst.removeprefix("rank"))
-        pid = int(info["pid"])
-        what = str(info["event"])
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return None
-    devices = info.get("devices") or ()
-    names = tuple(map(str, devices)) if isinstance(devices, list | tuple) else (str(devices),)
-    state = str(info.get("state", ""))
-    return RankEvent(rank, pid, what, state, names, event.start, event.seconds, event.label)
-
-
 # -- a finished launch, from the ledger ----------------------------------------------------------
 
 
@@ -165,7 +126,7 @@ def ledger_launch(events: Iterable[Event]) -> LedgerLaunch:
     Launches run one after another: an event that ended before the newest launch's first rank
     started belongs to an earlier launch, and so does a rank number seen with another pid.
     """
-    parsed = [r for r in map(rank_event, events) if r is not None]
+    parsed = [r for r in map(launching.rank_event, events) if r is not None]
     parsed.sort(key=operator.attrgetter("end"), reverse=True)  # newest first
     since = math.inf  # when the newest launch's first rank started (its events' earliest start)
     newest: dict[int, RankEvent] = {}
@@ -252,7 +213,7 @@ class LaunchView(LiveView):
         self.refresh()
         return list(self._shown.rows)
 
-    def _running(self) -> tuple[str, tuple[RankInfo, ...]] | None:
+    def _running(self) -> Running | None:
         try:
             return launching.current()
         except IndexError:  # the launch ended between two reads
@@ -270,7 +231,7 @@ class LaunchView(LiveView):
         now = time.time()
         running = self._running()
         if running is not None:
-            _, self._seen = running
+            self._seen = running.ranks
             rows = launch_rows(self._seen, self.lines, now)
             starts = [r.started for r in self._seen if r.started > 0]
             elapsed = f" for {now - min(starts):.1f} s" if starts else ""
