@@ -185,6 +185,23 @@ def test_transfer_view_filter_gbps_labels_and_ledger_clear():
     assert view.count == 0 and view.recent() == [] and not view.matrix().values.any()
 
 
+def test_transfer_view_shows_moves_only_not_compute_or_process_events():
+    led = Ledger()
+    view = mg.TransferView(ledger=led, widget=False, live=False)
+    now = time.time()
+    led.record(
+        [
+            Event("transfer", "dev0", "dev1", "cpu0", "cpu1", 64, now, 0.1),
+            Event("step", "dev0", "dev0", "cpu0", "cpu0", 0, now, 0.1),
+            Event("launch", "kernel", "rank0", "host", "cpu0", 8, now, 0.1, None, {"event": "done", "pid": 1}),
+            Event("stall", "kernel", "kernel", "host", "host", 0, now, 2.0),
+        ]
+    )
+    assert [e.kind for e in view.recent()] == ["transfer"]
+    assert (view.count, view.nbytes) == (1, 64)
+    assert "kernel" not in view.matrix().names and "rank0" not in view.matrix().names
+
+
 def test_transfer_view_lists_the_newest_transfers_by_start_time():
     led = Ledger()
     view = mg.TransferView(max_rows=2, ledger=led, widget=False)

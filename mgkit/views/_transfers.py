@@ -51,8 +51,7 @@ class TransferView(Plotted):
     ...
     """
 
-    kinds = Kind.COMPUTE
-    exclude = True
+    kinds = Kind.MOVES
     css_class = "mgkit-transfers"
     figsize = (6.0, 5.0)
     headers = ("kind", "from", "to", "bytes", "GB/s", "cell")
@@ -81,7 +80,7 @@ class TransferView(Plotted):
 
     def _seed(self) -> None:
         events = [
-            e for e in self._ledger.records() if e.kind not in Kind.COMPUTE and self._keep(e.src, e.dst)
+            e for e in self._ledger.records() if e.kind in Kind.MOVES and self._keep(e.src, e.dst)
         ]
         self._recent.extend(events[-self.max_rows :])
 
@@ -101,7 +100,7 @@ class TransferView(Plotted):
         seconds = 0.0
         kept = []
         for (kind, src, dst), (c, b, t) in totals.items():
-            if kind in Kind.COMPUTE or not self._keep(src, dst):
+            if kind not in Kind.MOVES or not self._keep(src, dst):
                 continue
             count, nbytes, seconds = count + c, nbytes + b, seconds + t
             kept.append((src, dst, b))
