@@ -193,7 +193,7 @@ def test_transfer_view_shows_moves_only_not_compute_or_process_events():
         [
             Event("transfer", "dev0", "dev1", "cpu0", "cpu1", 64, now, 0.1),
             Event("step", "dev0", "dev0", "cpu0", "cpu0", 0, now, 0.1),
-            Event("launch", "kernel", "rank0", "host", "cpu0", 8, now, 0.1, None, {"event": "done", "pid": 1}),
+            Event("launch", "kernel", "rank0", "host", "cpu0", 8, now, 0.1, None, {"event": "done"}),
             Event("stall", "kernel", "kernel", "host", "host", 0, now, 2.0),
         ]
     )

@@ -79,9 +79,7 @@ class TransferView(Plotted):
         return self.contexts is None or src in self.contexts or dst in self.contexts
 
     def _seed(self) -> None:
-        events = [
-            e for e in self._ledger.records() if e.kind in Kind.MOVES and self._keep(e.src, e.dst)
-        ]
+        events = [e for e in self._ledger.records() if e.kind in Kind.MOVES and self._keep(e.src, e.dst)]
         self._recent.extend(events[-self.max_rows :])
 
     def recent(self) -> list[Event]:
