@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,22 +10,28 @@ import jax
 
 from .. import _progress
 from .._beat import beat
-from .._ledger import Layout, ledger
+from .._ledger import execution_label
 from .._numbers import whole
 from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
 from ._checkpoint import Checkpoints
-from ._checks import check_key, check_loss_fn, check_optimizer, check_params, check_scalar_loss
+from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
 from ._history import History
-from ._loop import Bar, Interrupts
+from ._loop import (
+    Bar,
+    Interrupts,
+    StepEvents,
+    Stop,
+    check_on_nan,
+    conclude,
+    not_finite,
+    reads_late,
+    run_steps,
+)
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
-
-
-class DataRanOut(UserWarning):
-    """An iterable of batches ended before the steps asked for."""
 
 
 class Trainer:
@@ -51,14 +56,14 @@ class Trainer:
         arrays are donated to each step, never yours).
       contexts: context names, a count (the first n) or None for every context in the map.
         Distinct devices of one kind run one SPMD program per step; contexts that share a
-        device or mix kinds run cutorch's loop (see ``mgkit.train``).
+        device or mix kinds run the gather-update-copy loop (see ``mgkit.train``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
         and the fit goes on.
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
-      balance: None (parts of equal rows) or ``"measured"`` (cutorch's loop only: parts in
-        proportion to each context's measured speed, as ``mg.parallel`` does).
+      balance: None (parts of equal rows) or ``"measured"`` (the gather-update-copy loop only:
+        parts in proportion to each context's measured speed, as ``mg.parallel`` does).
       key: a PRNG key (``jax.random.key(0)``) for a ``loss_fn(params, batch, key)`` that draws
         random numbers (dropout): step s gets ``jax.random.fold_in(key, s)``, so a resumed run
         draws what an uninterrupted one would. None (default): ``loss_fn(params, batch)``.
@@ -92,10 +97,7 @@ class Trainer:
     ):
         check_loss_fn(loss_fn, _WHERE)
         check_optimizer(optimizer, _WHERE)
-        if on_nan not in ("raise", "skip"):
-            raise ValueError(
-                f"{_WHERE}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'"
-            )
+        check_on_nan(on_nan, _WHERE)
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
         check_params(params, _WHERE)
@@ -124,7 +126,7 @@ class Trainer:
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
         self._position_after: dict | None = None
-        self._layouts: dict = {}  # (rows per context, steps) -> the step events' Layout
+        self._read_at = 0.0  # when the last step's loss was read (time.perf_counter)
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
@@ -172,7 +174,7 @@ class Trainer:
         return step_fn
 
     def __repr__(self) -> str:
-        path = "one SPMD program per step" if self.spmd else "cutorch's loop (per-context gradients)"
+        path = "one SPMD program per step" if self.spmd else "gather-update-copy loop (per-context gradients)"
         return (
             f"Trainer({len(self.contexts)} context(s): {', '.join(self.contexts)}; {path}; step {self._step})"
         )
@@ -218,15 +220,17 @@ class Trainer:
         """The loss function's output, from shapes only (before anything compiles or runs)."""
         batch = placed[0] if self.spmd else placed[0][0]
         structure = jax.tree_util.tree_structure(batch)
-        if structure in self._checked:
-            return
-        try:
-            extra = () if self._key is None else (self._key,)
-            out = jax.eval_shape(self.loss_fn, self._params, batch, *extra)
-        except Exception as e:
-            raise type(e)(f"Trainer: loss_fn(params, batch) failed on the first batch: {e}") from e
-        check_scalar_loss(out, self.has_aux, "Trainer")
-        self._checked.add(structure)
+        if structure not in self._checked:
+            check_loss_on(
+                self.loss_fn,
+                self._params,
+                batch,
+                self._key,
+                self.has_aux,
+                _WHERE,
+                "failed on the first batch",
+            )
+            self._checked.add(structure)
 
     # -- fitting -----------------------------------------------------------------------------
 
@@ -293,41 +297,27 @@ class Trainer:
         self.history = history
         if total == 0:
             return history
-        shorts = [c.short for c in self.targets.contexts]
-        run = _progress.Run(where, self.contexts, shorts, (0,) * k, (1,) * k, total)
-        bar = Bar(run.what, run.total, progress, run.start)
+        bar = Bar(where, total, progress)
+        events = StepEvents(where, self.targets.contexts, total)
         feed = self._feed(src, total)
-        error: BaseException | None = None
         start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
         self._position_after = None
         try:
             with Interrupts() as stop:
-                self._loop(feed, total, history, run, bar, stop)
-        except FloatingPointError as e:
-            error = e
+                history.stopped = self._steps(feed, total, history, events, bar, stop)
+        except FloatingPointError:
+            history.stopped = Stop.NAN
+            raise
         finally:
-            bar.close(run.iteration, lambda: f"loss {run.loss:.6g}")
+            bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
             if isinstance(feed, Prefetch):
                 feed.close()
             if self.checkpoints is not None:
                 self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
             if isinstance(src, _data.ArraySource):
                 self._position = self._position_after or start
-        if error is not None:
-            history.stopped = "nan"
-            raise error
-        if history.stopped == "interrupted":
-            raise KeyboardInterrupt(
-                f"Trainer.fit stopped at step {self._step} ({len(history)} step(s) this fit); params, "
-                "opt_state and step are those of that step; fit again to go on"
-            )
-        if history.stopped == "data ran out" and total is not None:
-            warnings.warn(
-                f"Trainer.fit: the data ended after {len(history)} of {total} step(s); the trainer "
-                f"keeps the state of step {self._step}. Give more batches, or fewer steps",
-                DataRanOut,
-                stacklevel=2,
-            )
+        kept = f"step {self._step} (params, opt_state and step are that step's)"
+        conclude(where, history.stopped, len(history), total, kept)
         return history
 
     def _feed(self, src: Any, total: int | None) -> Any:
@@ -354,77 +344,38 @@ class Trainer:
             return (place(item) for item in batches())
         return Prefetch(batches(), place, self.prefetch, where="fit")
 
-    def _loop(
-        self, feed: Any, total: int | None, history: History, run: Any, bar: Bar, stop: Interrupts
-    ) -> None:
-        """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), reading each loss
-        (on CPU devices at once: at most one step in flight; elsewhere one step late). Keeps
-        the data position after the last dispatched batch in ``_position_after``."""
-        one_in_flight = self.targets.devices[0].platform == "cpu"
-        done, pending, last = 0, None, time.perf_counter()
-        while total is None or done < total:
-            if stop.requested:
-                history.stopped = "interrupted"
-                break
-            try:
-                if isinstance(feed, Prefetch):
-                    placed, rows, position = feed.take(lambda: stop.requested)
-                else:
-                    placed, rows, position = next(feed)
-            except StopIteration:
-                history.stopped = "data ran out"
-                break
-            except KeyboardInterrupt:
-                history.stopped = "interrupted"
-                break
+    def _steps(
+        self, feed: Any, total: int | None, history: History, events: StepEvents, bar: Bar, stop: Interrupts
+    ) -> str | None:
+        """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), each loss read at once
+        or one step late (``reads_late``). Keeps the data position after the last dispatched
+        batch in ``_position_after``. Returns why it stopped early, or None."""
+        prefetching = isinstance(feed, Prefetch)
+        first = True
+        label = execution_label()
+
+        def take() -> tuple:
+            return feed.take(lambda: stop.requested) if prefetching else next(feed)
+
+        def dispatch(item: tuple) -> tuple:
+            nonlocal first
+            placed, rows, position = item
             if self.balance == "measured" and not self.spmd and self._weights is None:
                 self._weights = self._measure(placed)
-            if done == 0:
+            if first:
                 self._check_loss(placed)
                 self._compile(placed)
-                last = time.perf_counter()
+                self._read_at, first = time.perf_counter(), False
             out = self._dispatch(placed)
             self._position_after = position
-            done += 1
             if self.checkpoints is not None and self.checkpoints.due(self._step):
                 self._save(position)  # before the next step donates these arrays
-            current = (self._step, out, rows)
-            if one_in_flight:
-                last = self._finish(current, last, history, run, bar)
-            else:
-                if pending is not None:
-                    last = self._finish(pending, last, history, run, bar)
-                pending = current
-        if pending is not None:
-            self._finish(pending, last, history, run, bar)
+            return self._step, out, rows
 
-    def _step_layout(self, rows: tuple[int, ...], total: int | None) -> Layout:
-        """The ``step`` events of a step, one per context (its rows), made once per layout: each
-        step's loss and rates go with it (``Layout.call``'s extra)."""
-        key = (rows, total)
-        layout = self._layouts.get(key)
-        if layout is None:
-            nan = float("nan")
-            layout = Layout(
-                [
-                    (
-                        ("step", c.name, c.name, c.short, c.short, 0),
-                        1.0,
-                        {
-                            "what": "Trainer.fit",
-                            "of": total,
-                            "models": 1,
-                            "rows": r,
-                            "grad": nan,
-                            "final": False,
-                        },
-                    )
-                    for c, r in zip(self.targets.contexts, rows, strict=True)
-                ]
-            )
-            if len(self._layouts) < 64:
-                self._layouts[key] = layout
-        return layout
+        def read(item: tuple) -> None:
+            self._finish(item, history, events, bar, label)
+
+        return run_steps(take, dispatch, read, total, stop, reads_late(self.targets.devices))
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -509,34 +460,19 @@ class Trainer:
             speeds.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
         return tuple(speeds)
 
-    def _finish(self, item: tuple, last: float, history: History, run: Any, bar: Bar) -> float:
+    def _finish(self, item: tuple, history: History, events: StepEvents, bar: Bar, label: int | None) -> None:
         """Reads a dispatched step's loss (waiting for it), records its step events and history
         entry; raises FloatingPointError for a skipped update under ``on_nan="raise"``."""
         step, out, rows = item
         loss = float(out.loss)
         ok = bool(out.ok)
         now = time.perf_counter()
-        seconds = now - last
+        seconds = now - self._read_at
+        self._read_at = now
         history.append(step, loss if ok else float("nan"), seconds, rows)
-        facts = tuple(
-            {
-                "iteration": step,
-                "loss": loss,
-                "samples_per_second": r / seconds if seconds > 0 else float("nan"),
-            }
-            for r in rows
-        )
-        ledger().record(
-            self._step_layout(rows, run.total).call(time.time() - seconds, seconds, run.label, facts)
-        )
-        run.iteration, run.loss = step, loss
+        events.record(time.time() - seconds, seconds, label, rows, {"iteration": step, "loss": loss})
         beat(step)
-        bar.tick(step, lambda: f"loss {loss:.6g}")
+        bar.tick(len(history), lambda: f"loss {loss:.6g}")
         if not ok and self.on_nan == "raise":
-            raise FloatingPointError(
-                f"Trainer.fit: step {step}'s loss is {loss} (or a gradient is not finite): its update was "
-                f"not applied, and the fit stopped at step {self._step}. params and opt_state are the last "
-                "finite ones (from before that step). Lower the learning rate, check the batch's data, or "
-                "pass on_nan='skip' to skip such steps"
-            )
-        return now
+            kept = f"the fit stopped at step {self._step}"
+            raise not_finite("Trainer.fit", step, loss, kept, "pass on_nan='skip' to skip such steps")
