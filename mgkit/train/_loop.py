@@ -15,6 +15,8 @@ data running out            ``DataRanOut``, warned by ``conclude``
 step events                 ``StepEvents``: one ``Kind.STEP`` event per context per step
 the progress bar            ``Bar``
 after the fit               ``conclude``: KeyboardInterrupt after Ctrl-C, the data warning
+all of it for one fit       ``Fit``: its ``History``, events, bar and Ctrl-C; ``steps`` runs
+                            them, ``read`` keeps a step's loss, ``end`` concludes
 ==========================  ===============================================================
 """
 
@@ -27,8 +29,10 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .._beat import beat
 from .._contexts import Context
-from .._ledger import Kind, Layout, ledger
+from .._ledger import Kind, Layout, execution_label, ledger
+from ._history import History
 
 
 class DataRanOut(UserWarning):
@@ -120,7 +124,7 @@ def conclude(where: str, stopped: str | None, done: int, total: int | None, kept
             f"{where}: the data ended after {done} of {total} step(s); it keeps the state of {kept}. "
             "Give more batches, or fewer steps",
             DataRanOut,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -221,3 +225,65 @@ class Bar:
             self.bar.set_postfix_str(postfix(), refresh=False)
             self.bar.close()
             self.bar = None
+
+
+class Fit:
+    """One fit in progress: its ``History``, step events, progress bar and Ctrl-C.
+
+    Args:
+      where: what fits (``"Trainer.fit"``), in events, the bar and messages.
+      contexts: the contexts each step runs on (a history column and step events each).
+      total: the steps asked for, or None (until the data ends).
+      progress: the bar's ``progress`` (None: after a second; True: at once; False: never).
+      info: more facts every step event carries (a member's name).
+    """
+
+    def __init__(
+        self,
+        where: str,
+        contexts: Sequence[Context],
+        total: int | None,
+        progress: bool | None,
+        info: Mapping[str, Any] | None = None,
+    ):
+        self.where, self.total = where, total
+        self.history = History(tuple(c.name for c in contexts))
+        self.events = StepEvents(where, contexts, total, info)
+        self.bar = Bar(where, total, progress)
+        self.stop = Interrupts()
+        self.label = execution_label()
+        self.read_at = time.perf_counter()  # when the last step's loss was read (or the steps began)
+
+    def steps(
+        self, take: Callable[[], Any], dispatch: Callable[[Any], Any], read: Callable, late: bool
+    ) -> None:
+        """``run_steps`` with Ctrl-C noted; the history says why the steps stopped early (a
+        non-finite loss raises FloatingPointError: ``Stop.NAN``); the bar is closed."""
+        history = self.history
+        try:
+            with self.stop:
+                history.stopped = run_steps(take, dispatch, read, self.total, self.stop, late)
+        except FloatingPointError:
+            history.stopped = Stop.NAN
+            raise
+        finally:
+            self.bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
+
+    def read(self, step: int, loss: float, ok: bool, rows: tuple[int, ...]) -> float:
+        """Keeps a step's loss just read (NaN in the history where its update was not applied):
+        its history entry, step events, the watchdog's beat and the bar. Returns the seconds
+        since the last read (the step's time)."""
+        now = time.perf_counter()
+        seconds, self.read_at = now - self.read_at, now
+        self.history.append(step, loss if ok else float("nan"), seconds, rows)
+        self.events.record(
+            time.time() - seconds, seconds, self.label, rows, {"iteration": step, "loss": loss}
+        )
+        beat(step)
+        self.bar.tick(len(self.history), lambda: f"loss {loss:.6g}")
+        return seconds
+
+    def end(self, kept: str) -> History:
+        """``conclude`` for this fit; returns its history."""
+        conclude(self.where, self.history.stopped, len(self.history), self.total, kept)
+        return self.history

@@ -9,8 +9,6 @@ from typing import Any
 import jax
 
 from .. import _progress
-from .._beat import beat
-from .._ledger import execution_label
 from .._numbers import whole
 from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
@@ -18,17 +16,7 @@ from . import _data
 from ._checkpoint import Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
 from ._history import History
-from ._loop import (
-    Bar,
-    Interrupts,
-    StepEvents,
-    Stop,
-    check_on_nan,
-    conclude,
-    not_finite,
-    reads_late,
-    run_steps,
-)
+from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
@@ -126,7 +114,6 @@ class Trainer:
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
         self._position_after: dict | None = None
-        self._read_at = 0.0  # when the last step's loss was read (time.perf_counter)
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
@@ -293,32 +280,23 @@ class Trainer:
                 src.seek(pos)
         if resume and total is not None:
             total = max(total - self._step, 0)
-        history = History(self.contexts)
-        self.history = history
+        fit = Fit(where, self.targets.contexts, total, progress)
+        self.history = fit.history
         if total == 0:
-            return history
-        bar = Bar(where, total, progress)
-        events = StepEvents(where, self.targets.contexts, total)
+            return fit.history
         feed = self._feed(src, total)
         start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
         self._position_after = None
         try:
-            with Interrupts() as stop:
-                history.stopped = self._steps(feed, total, history, events, bar, stop)
-        except FloatingPointError:
-            history.stopped = Stop.NAN
-            raise
+            self._steps(feed, fit)
         finally:
-            bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
             if isinstance(feed, Prefetch):
                 feed.close()
             if self.checkpoints is not None:
                 self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
             if isinstance(src, _data.ArraySource):
                 self._position = self._position_after or start
-        kept = f"step {self._step} (params, opt_state and step are that step's)"
-        conclude(where, history.stopped, len(history), total, kept)
-        return history
+        return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
 
     def _feed(self, src: Any, total: int | None) -> Any:
         """The placed batches, with each one's data position after it: through a ``Prefetch``
@@ -344,18 +322,15 @@ class Trainer:
             return (place(item) for item in batches())
         return Prefetch(batches(), place, self.prefetch, where="fit")
 
-    def _steps(
-        self, feed: Any, total: int | None, history: History, events: StepEvents, bar: Bar, stop: Interrupts
-    ) -> str | None:
-        """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), each loss read at once
-        or one step late (``reads_late``). Keeps the data position after the last dispatched
-        batch in ``_position_after``. Returns why it stopped early, or None."""
+    def _steps(self, feed: Any, fit: Fit) -> None:
+        """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
+        at once or one step late (``reads_late``). Keeps the data position after the last
+        dispatched batch in ``_position_after``."""
         prefetching = isinstance(feed, Prefetch)
         first = True
-        label = execution_label()
 
         def take() -> tuple:
-            return feed.take(lambda: stop.requested) if prefetching else next(feed)
+            return feed.take(lambda: fit.stop.requested) if prefetching else next(feed)
 
         def dispatch(item: tuple) -> tuple:
             nonlocal first
@@ -365,7 +340,7 @@ class Trainer:
             if first:
                 self._check_loss(placed)
                 self._compile(placed)
-                self._read_at, first = time.perf_counter(), False
+                fit.read_at, first = time.perf_counter(), False
             out = self._dispatch(placed)
             self._position_after = position
             if self.checkpoints is not None and self.checkpoints.due(self._step):
@@ -373,9 +348,14 @@ class Trainer:
             return self._step, out, rows
 
         def read(item: tuple) -> None:
-            self._finish(item, history, events, bar, label)
+            step, out, rows = item
+            loss, ok = float(out.loss), bool(out.ok)
+            fit.read(step, loss, ok, rows)
+            if not ok and self.on_nan == "raise":
+                kept = f"the fit stopped at step {self._step}"
+                raise not_finite(fit.where, step, loss, kept, "pass on_nan='skip' to skip such steps")
 
-        return run_steps(take, dispatch, read, total, stop, reads_late(self.targets.devices))
+        fit.steps(take, dispatch, read, reads_late(self.targets.devices))
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -459,20 +439,3 @@ class Trainer:
             jax.block_until_ready(self._program.grad(self._replicas[i], part))
             speeds.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
         return tuple(speeds)
-
-    def _finish(self, item: tuple, history: History, events: StepEvents, bar: Bar, label: int | None) -> None:
-        """Reads a dispatched step's loss (waiting for it), records its step events and history
-        entry; raises FloatingPointError for a skipped update under ``on_nan="raise"``."""
-        step, out, rows = item
-        loss = float(out.loss)
-        ok = bool(out.ok)
-        now = time.perf_counter()
-        seconds = now - self._read_at
-        self._read_at = now
-        history.append(step, loss if ok else float("nan"), seconds, rows)
-        events.record(time.time() - seconds, seconds, label, rows, {"iteration": step, "loss": loss})
-        beat(step)
-        bar.tick(len(history), lambda: f"loss {loss:.6g}")
-        if not ok and self.on_nan == "raise":
-            kept = f"the fit stopped at step {self._step}"
-            raise not_finite("Trainer.fit", step, loss, kept, "pass on_nan='skip' to skip such steps")
