@@ -12,12 +12,12 @@ layer-wise across contexts and trains it with microbatches (GPipe).
 """
 
 from ._ensemble import Ensemble as Ensemble
-from ._ensemble import EnsembleResult as EnsembleResult
-from ._ensemble import Member as Member
-from ._ensemble import MemberError as MemberError
-from ._ensemble import MemberResult as MemberResult
 from ._history import History as History
 from ._loop import DataRanOut as DataRanOut
+from ._member import EnsembleResult as EnsembleResult
+from ._member import Member as Member
+from ._member import MemberError as MemberError
+from ._member import MemberResult as MemberResult
 from ._pipeline import Pipeline as Pipeline
 from ._trainer import Trainer as Trainer
 

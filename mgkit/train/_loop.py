@@ -111,10 +111,13 @@ def run_steps(
     return stopped
 
 
-def conclude(where: str, stopped: str | None, done: int, total: int | None, kept: str) -> None:
+def conclude(
+    where: str, stopped: str | None, done: int, total: int | None, kept: str, stacklevel: int = 3
+) -> None:
     """After a fit of ``done`` steps: KeyboardInterrupt where Ctrl-C stopped it, a ``DataRanOut``
     warning where the data ended before ``total`` steps. ``kept``: whose state is kept, e.g.
-    ``"step 12 (params, opt_state and step are that step's)"``."""
+    ``"step 12 (params, opt_state and step are that step's)"``; ``stacklevel``: the warning's,
+    from this function (3: the caller's caller)."""
     if stopped == Stop.INTERRUPTED:
         raise KeyboardInterrupt(
             f"{where} stopped at {kept}, a step boundary, after {done} step(s) this fit; fit again to go on"
@@ -124,7 +127,7 @@ def conclude(where: str, stopped: str | None, done: int, total: int | None, kept
             f"{where}: the data ended after {done} of {total} step(s); it keeps the state of {kept}. "
             "Give more batches, or fewer steps",
             DataRanOut,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
 
 
@@ -152,7 +155,8 @@ class StepEvents:
         self, start: float, seconds: float, label: int | None, rows: tuple[int, ...], facts: Mapping[str, Any]
     ) -> None:
         """Records one step that began at ``start`` (``time.time()``) and took ``seconds``, with
-        ``rows`` per context and ``facts`` (``iteration``, ``loss``...) on each event."""
+        ``rows`` per context and ``facts`` (``iteration``, ``loss``...) on each event
+        (samples per second: each context's rows over ``seconds``, unless ``facts`` says)."""
         layout = self._layouts.get(rows)
         if layout is None:
             layout = Layout(
@@ -164,7 +168,7 @@ class StepEvents:
             if len(self._layouts) < 64:
                 self._layouts[rows] = layout
         extra = tuple(
-            {**facts, "samples_per_second": r / seconds if seconds > 0 else float("nan")} for r in rows
+            {"samples_per_second": r / seconds if seconds > 0 else float("nan"), **facts} for r in rows
         )
         ledger().record(layout.call(start, seconds, label, extra))
 
@@ -285,5 +289,5 @@ class Fit:
 
     def end(self, kept: str) -> History:
         """``conclude`` for this fit; returns its history."""
-        conclude(self.where, self.history.stopped, len(self.history), self.total, kept)
+        conclude(self.where, self.history.stopped, len(self.history), self.total, kept, stacklevel=4)
         return self.history
