@@ -320,3 +320,27 @@ def test_a_pipeline_whose_data_runs_out_warns_as_the_trainer_does():
     with pytest.warns(mg.train.DataRanOut, match=r"the data ended after 2 of 5 step\(s\).*state of step 2"):
         hist = pipe.fit([(X, y), (X, y)], steps=5, progress=False)
     assert pipe.step == 2 and hist.stopped == "data ran out"
+
+
+def test_stages_on_one_device_read_each_loss_one_step_late_with_the_same_result():
+    """On one device a step's loss is read after the next step's dispatch (the skeleton's rule):
+    the update is gated on the device, so a NaN step still leaves its update out, and the step
+    dispatched behind it trains on."""
+    fns, params, X, y = _model(2)
+    bad = X.copy()
+    bad[3, 1] = np.nan
+    data = lambda step: (bad if step == 3 else X, y)  # noqa: E731
+    with pytest.warns(UserWarning, match="run on one device"):
+        late = mg.Pipeline(list(zip(["dev0", "dev0"], fns, params, strict=True)), loss=_xent, microbatches=2)
+    at_once = mg.Pipeline(list(zip(["dev0", "dev1"], fns, params, strict=True)), loss=_xent, microbatches=2)
+    for pipe in (late, at_once):
+        hist = pipe.fit(data, optax.sgd(0.1), steps=5, on_nan="skip", progress=False)
+        assert pipe.step == 5 and np.isnan(hist.loss[2]) and np.isfinite(hist.loss[[0, 1, 3, 4]]).all()
+    for a, b in zip(
+        jax.tree_util.tree_leaves(late.params), jax.tree_util.tree_leaves(at_once.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    with pytest.raises(FloatingPointError, match=r"step 8's loss .* the fit stopped at step 9"):
+        late.fit(lambda step: (bad if step == 8 else X, y), optax.sgd(0.1), steps=5, progress=False)
+    assert late.step == 9 and late.history.stopped == "nan" and np.isnan(late.history.loss[-1])
+    assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(late.params))
