@@ -49,6 +49,7 @@ from ._checks import (
     check_params,
     device_context,
 )
+from ._feed import Feed
 from ._history import History
 from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._pipeline_schedule import SCHEDULES, Block, Op, Ran, run
@@ -111,6 +112,15 @@ def _warn_shared(contexts: list[_contexts.Context]) -> None:
             )
 
 
+class _Placed(NamedTuple):
+    """A batch cut into microbatches and placed for a call."""
+
+    token: tuple  # the call's (pipeline id, call number): its events' ``info["pipeline"]``
+    xs: list  # each microbatch's inputs, on the first stage's context
+    ys: list  # each microbatch's (targets, weight), on the last stage's context
+    rows: int  # the batch's rows
+
+
 class _Dispatched(NamedTuple):
     """A training step dispatched, its loss not read yet."""
 
@@ -162,6 +172,8 @@ class Pipeline:
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
         and the fit goes on.
+      prefetch: batches cut and placed ahead of the step by a background thread
+        (``mg.Prefetch``); 0 places each batch when the step needs it.
     """
 
     def __init__(
@@ -175,6 +187,7 @@ class Pipeline:
         optimizer: Any = None,
         seed: int = 0,
         on_nan: str = "raise",
+        prefetch: int = 2,
     ):
         stages = _read_stages(stages)
         check_loss_fn(loss, _WHERE, "loss(outputs, targets) -> scalar loss")
@@ -192,6 +205,7 @@ class Pipeline:
         self.optimizer = None if optimizer is None else check_optimizer(optimizer, _WHERE)
         self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
         self.on_nan = check_on_nan(on_nan, _WHERE)
+        self.prefetch = whole(prefetch, "prefetch", _WHERE, lo=0, example=2, note="batches placed ahead")
         contexts = [ctx for ctx, _, _ in stages]
         self.contexts = tuple(c.name for c in contexts)
         _warn_shared(contexts)
@@ -206,6 +220,7 @@ class Pipeline:
         self._calls = 0
         self._last: tuple | None = None  # (token, what) of the last call whose events are recorded
         self._checked: set = set()
+        self._position: dict | None = None  # where the last fit of arrays stopped
         self._orders: dict[int, tuple[Op, ...]] = {}  # microbatches -> the schedule's order
         self.history: History | None = None
         self.kept_bytes: tuple[int, ...] = (0,) * count
@@ -320,7 +335,7 @@ class Pipeline:
         if batch is None:
             raise MissingInputError(f"{where}: give the batch, e.g. pipe.value_and_grad(batch=(X, y))")
         params = self._params if p is None else self._on_stages(p)
-        ran, _ = self._run(params, batch, where, "value_and_grad")
+        ran = self._run(params, self._place(batch, where), "value_and_grad")
         self._record(ran.blocks)
         return ran.loss, ran.grads
 
@@ -343,14 +358,14 @@ class Pipeline:
             a = stage.apply(params[s], a)
         return a
 
-    def _run(self, params: list, batch: Any, where: str, what: str) -> tuple[Ran, int]:
-        """One forward and backward of the batch by the schedule: (what the run gave, rows)."""
+    def _place(self, batch: Any, where: str) -> _Placed:
+        """The batch cut into microbatches, inputs placed on the first stage, targets (with
+        their weights) on the last (recorded as this call's splits)."""
         xs, ys, n, sizes = self._split(batch, where)
         first, last = self._stages[0], self._stages[-1]
         self._calls += 1
-        self._last = ((id(self), self._calls), what)
-        info = {"pipeline": self._last[0]}
-        # the microbatches onto the first stage (inputs) and the last (targets, with their weights)
+        token = (id(self), self._calls)
+        info = {"pipeline": token}
         xs = [
             placed(x, first.ctx, Kind.SPLIT, {**info, "rows": s, "of": n, "microbatch": i})
             for i, (x, s) in enumerate(zip(xs, sizes, strict=True))
@@ -362,12 +377,18 @@ class Pipeline:
             )
             for i, (y, s) in enumerate(zip(ys, sizes, strict=True))
         ]
-        order = self._orders.get(len(sizes))
+        return _Placed(token, xs, ys, n)
+
+    def _run(self, params: list, batch: _Placed, what: str) -> Ran:
+        """One forward and backward of a placed batch by the schedule."""
+        self._last = (batch.token, what)
+        m = len(batch.xs)
+        order = self._orders.get(m)
         if order is None:
-            order = self._orders[len(sizes)] = SCHEDULES[self.schedule_name](len(self._stages), len(sizes))
-        ran = run(order, self._stages, params, xs, ys, info)
+            order = self._orders[m] = SCHEDULES[self.schedule_name](len(self._stages), m)
+        ran = run(order, self._stages, params, batch.xs, batch.ys, {"pipeline": batch.token})
         self.kept_bytes = ran.kept
-        return ran, n
+        return ran
 
     def _record(self, blocks: list[Block]) -> None:
         """The forward/backward/update events of the last call, recorded once the devices are
@@ -410,8 +431,9 @@ class Pipeline:
 
         Args:
           data: ``(inputs, targets)`` arrays with rows along axis 0 (batched and shuffled per
-            epoch by the seed), a function ``step -> batch`` or an iterable of batches, which
-            may end early: the fit then stops with a ``DataRanOut`` warning, state kept.
+            epoch by the seed; a later fit of the same arrays goes on where this one stopped),
+            a function ``step -> batch`` or an iterable of batches, which may end early: the
+            fit then stops with a ``DataRanOut`` warning, state kept.
           optimizer: an optax ``GradientTransformation``; default: the pipeline's own
             (``mg.Pipeline(..., optimizer=)``).
           steps: steps to run (default: one epoch of arrays).
@@ -442,8 +464,11 @@ class Pipeline:
         fit = Fit(where, [s.ctx for s in self._stages], total, progress)
         self.history = fit.history
 
-        def dispatch(batch: Any) -> _Dispatched:
-            return self._dispatch(batch, optimizer, where)
+        def dispatch(item: tuple) -> _Dispatched:
+            batch, position = item
+            out = self._dispatch(batch, optimizer)
+            feed.after = position
+            return out
 
         def read(item: _Dispatched) -> None:
             loss, ok = float(item.loss), bool(item.ok)
@@ -452,10 +477,18 @@ class Pipeline:
                 kept = f"the fit stopped at step {self._step}"
                 raise not_finite(where, item.step, loss, kept, "pass on_nan='skip' to skip such steps")
 
-        def take() -> Any:
-            return src.next(self._step + 1)
+        def take() -> tuple:
+            return feed.take(fit.stop)
 
-        fit.steps(take, dispatch, read, reads_late([s.ctx.device for s in self._stages]))
+        feed = Feed(
+            src, total, self._step + 1, lambda b, own: self._place(b, where), self.prefetch, self._position
+        )
+        try:
+            fit.steps(take, dispatch, read, reads_late([s.ctx.device for s in self._stages]))
+        finally:
+            position = feed.close()
+            if feed.arrays:
+                self._position = position
         return fit.end(f"step {self._step} (params and opt_state are that step's)")
 
     def _optimizer_for(self, optimizer: Any, where: str) -> Any:
@@ -469,11 +502,11 @@ class Pipeline:
             return self.optimizer
         return check_optimizer(optimizer, where)
 
-    def _dispatch(self, batch: Any, optimizer: Any, where: str) -> _Dispatched:
+    def _dispatch(self, batch: _Placed, optimizer: Any) -> _Dispatched:
         """One training step dispatched: the schedule's run, then each stage's update, applied
         only where the loss and every gradient are finite (decided on the last stage)."""
         step = self._step + 1
-        ran, n = self._run(self._params, batch, where, f"fit step {step}")
+        ran = self._run(self._params, batch, f"fit step {step}")
         last = self._stages[-1]
         sums = [
             finite_sum(g)
@@ -496,7 +529,7 @@ class Pipeline:
             blocks.append(Block(Kind.UPDATE, s, None, _clock.watch(stage.ctx.device, self._params[s], t0)))
         self._record(blocks)
         self._step = step
-        return _Dispatched(step, ran.loss, ok, n)
+        return _Dispatched(step, ran.loss, ok, batch.rows)
 
     # -- the picture ---------------------------------------------------------------------
 

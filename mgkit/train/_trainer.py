@@ -10,11 +10,11 @@ import jax
 
 from .. import _progress
 from .._numbers import whole
-from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
 from ._checkpoint import Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
+from ._feed import Feed
 from ._history import History
 from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
@@ -113,7 +113,6 @@ class Trainer:
             self._program = LoopStep(loss_fn, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
-        self._position_after: dict | None = None
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
@@ -273,68 +272,35 @@ class Trainer:
                     f"ahead of this trainer (step {self._step}): pass resume=True to go on from it, or "
                     "give the trainer a new folder (checkpoint='ckpt_2/')"
                 )
-        if isinstance(src, _data.ArraySource) and self._position is not None:
-            pos = self._position
-            same = (pos.get("batch_size"), pos.get("rows"), pos.get("seed"))
-            if same == (src.batch_size, src.rows, src.seed):  # the same arrays, batched alike: go on
-                src.seek(pos)
         if resume and total is not None:
             total = max(total - self._step, 0)
         fit = Fit(where, self.targets.contexts, total, progress)
         self.history = fit.history
         if total == 0:
             return fit.history
-        feed = self._feed(src, total)
-        start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
-        self._position_after = None
+        feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position)
         try:
             self._steps(feed, fit)
         finally:
-            if isinstance(feed, Prefetch):
-                feed.close()
+            position = feed.close()
             if self.checkpoints is not None:
                 self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
-            if isinstance(src, _data.ArraySource):
-                self._position = self._position_after or start
+            if feed.arrays:
+                self._position = position
         return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
 
-    def _feed(self, src: Any, total: int | None) -> Any:
-        """The placed batches, with each one's data position after it: through a ``Prefetch``
-        (a background thread) unless ``prefetch=0``; at most ``total`` are asked of ``src``."""
-        own = isinstance(src, _data.ArraySource)
-        first = self._step + 1
-
-        def batches():
-            i = 0
-            while total is None or i < total:
-                try:
-                    batch = src.next(first + i)
-                except StopIteration:
-                    return
-                yield batch, dict(src.position)
-                i += 1
-
-        def place(item):
-            batch, position = item
-            return (*self._place(batch, own), position)
-
-        if self.prefetch == 0:
-            return (place(item) for item in batches())
-        return Prefetch(batches(), place, self.prefetch, where="fit")
-
-    def _steps(self, feed: Any, fit: Fit) -> None:
+    def _steps(self, feed: Feed, fit: Fit) -> None:
         """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
         at once or one step late (``reads_late``). Keeps the data position after the last
-        dispatched batch in ``_position_after``."""
-        prefetching = isinstance(feed, Prefetch)
+        dispatched batch in ``feed.after``."""
         first = True
 
         def take() -> tuple:
-            return feed.take(lambda: fit.stop.requested) if prefetching else next(feed)
+            return feed.take(fit.stop)
 
         def dispatch(item: tuple) -> tuple:
             nonlocal first
-            placed, rows, position = item
+            (placed, rows), position = item
             if self.balance == "measured" and not self.spmd and self._weights is None:
                 self._weights = self._measure(placed)
             if first:
@@ -342,7 +308,7 @@ class Trainer:
                 self._compile(placed)
                 fit.read_at, first = time.perf_counter(), False
             out = self._dispatch(placed)
-            self._position_after = position
+            feed.after = position
             if self.checkpoints is not None and self.checkpoints.due(self._step):
                 self._save(position)  # before the next step donates these arrays
             return self._step, out, rows
