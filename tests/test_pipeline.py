@@ -362,3 +362,32 @@ def test_two_fits_of_arrays_are_one_fit_with_or_without_prefetch():
         jax.tree_util.tree_leaves(one.params), jax.tree_util.tree_leaves(two.params), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_pipeline_resumed_from_a_checkpoint_gives_the_uninterrupted_runs_parameters(tmp_path):
+    fns, params, X, y = _model(2)
+    stages = list(zip(["dev0", "dev1"], fns, params, strict=True))
+
+    def pipe(**kw):
+        return mg.Pipeline(stages, loss=_xent, microbatches=2, optimizer=optax.adam(1e-2), **kw)
+
+    whole_run = pipe()
+    whole_run.fit((X, y), steps=9, batch_size=8, progress=False)
+    first = pipe(checkpoint=tmp_path, every=3)
+    first.fit((X, y), steps=7, batch_size=8, progress=False)  # checkpoints at 3 and 6
+    first.checkpoints.close()
+    again = pipe(checkpoint=tmp_path, every=3)
+    hist = again.fit((X, y), steps=9, batch_size=8, resume=True, progress=False)
+    assert again.step == 9 and len(hist) == 3  # from step 6: the run's 9 steps
+    for a, b in zip(
+        jax.tree_util.tree_leaves((again.params, again.opt_state)),
+        jax.tree_util.tree_leaves((whole_run.params, whole_run.opt_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [mg.where(p) for p in again.params] == ["dev0", "dev1"]
+    with pytest.raises(ValueError, match=r"holds step 9, ahead of this pipeline \(step 0\)"):
+        pipe(checkpoint=tmp_path, every=3).fit((X, y), steps=2, batch_size=8, progress=False)
+    with pytest.raises(TypeError, match=r"resume=True restores from the pipeline's checkpoint folder"):
+        pipe().fit((X, y), steps=2, resume=True, progress=False)
+    again.checkpoints.close()

@@ -28,7 +28,6 @@ each stage's gradient sum moves to the last stage, which decides, and the decisi
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -36,80 +35,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _clock, _contexts
+from .. import _clock
 from .._ledger import Event, Kind, execution_label, ledger
 from .._numbers import whole
 from .._spmd import shares
 from .._transfer import leaves_of, place
 from . import _data
+from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import (
     MissingInputError,
     check_loss_fn,
     check_optimizer,
-    check_params,
-    device_context,
 )
 from ._feed import Feed
 from ._history import History
 from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._pipeline_schedule import SCHEDULES, Block, Op, Ran, run
-from ._stage import Stage, check_shapes, finite_sum, fn_name, gate, placed, shapes_key
+from ._stage import (
+    Stage,
+    check_shapes,
+    finite_sum,
+    fn_name,
+    gate,
+    placed,
+    read_stages,
+    shapes_key,
+    warn_shared,
+)
 
 _WHERE = "Pipeline"
-
-
-def _read_stages(stages: Any) -> list[tuple[_contexts.Context, Callable, Any]]:
-    """The stages as (context, fn, params), each checked."""
-    if not isinstance(stages, list | tuple):
-        raise TypeError(
-            f"{_WHERE}: stages must be a list of (context, fn, params), e.g. "
-            f"[('dev0', stage0, p0), ('dev1', stage1, p1)]; got {type(stages).__name__} {stages!r:.80}"
-        )
-    if not stages:
-        raise ValueError(
-            f"{_WHERE}: no stages; give a list of (context, fn, params), e.g. "
-            "[('dev0', stage0, p0), ('dev1', stage1, p1)]"
-        )
-    out = []
-    for i, stage in enumerate(stages):
-        if not isinstance(stage, list | tuple) or len(stage) != 3:
-            raise TypeError(
-                f"{_WHERE}: stage {i} must be a (context, fn, params) triple, e.g. ('dev{i}', "
-                f"stage{i}, p{i}); got {type(stage).__name__} {stage!r:.80}"
-            )
-        name, fn, p = stage
-        ctx = device_context(name, f"{_WHERE}: stage {i}", f"dev{i}")
-        if not callable(fn):
-            raise TypeError(
-                f"{_WHERE}: stage {i} ({ctx.name}): fn must be a function fn(params, x) -> y; got "
-                f"{type(fn).__name__} {fn!r:.60}"
-            )
-        where = f"{_WHERE}: stage {i} ({ctx.name}, {fn_name(fn)})"
-        if not jax.tree_util.tree_leaves(p):
-            raise ValueError(
-                f"{where} has no parameters; every stage trains parameters of its own: merge "
-                "a function without parameters into a neighbouring stage's fn"
-            )
-        check_params(p, where)
-        out.append((ctx, fn, p))
-    return out
-
-
-def _warn_shared(contexts: list[_contexts.Context]) -> None:
-    """Warns of stages that share a device: they take turns there."""
-    shared: dict[Any, list[int]] = {}
-    for i, c in enumerate(contexts):
-        shared.setdefault(c.device, []).append(i)
-    for idx in shared.values():
-        if len(idx) > 1:
-            names = ", ".join(f"{i} ({contexts[i].name})" for i in idx)
-            warnings.warn(
-                f"{_WHERE}: stages {names} run on one device ({contexts[idx[0]].short}): they take "
-                "turns there, so no overlap is possible between them, and the hops between them "
-                "move nothing",
-                UserWarning,
-                stacklevel=3,
-            )
 
 
 class _Placed(NamedTuple):
@@ -130,7 +84,7 @@ class _Dispatched(NamedTuple):
     rows: int  # the batch's rows
 
 
-class Pipeline:
+class Pipeline(Checkpointing):
     """One model split layer-wise across contexts, trained with microbatches (GPipe or 1F1B).
 
     >>> import mgkit as mg, optax, jax, jax.numpy as jnp, numpy as np
@@ -174,6 +128,9 @@ class Pipeline:
         and the fit goes on.
       prefetch: batches cut and placed ahead of the step by a background thread
         (``mg.Prefetch``); 0 places each batch when the step needs it.
+      checkpoint: a folder to save checkpoints in, as ``mg.Trainer``'s (parameters, optimizer
+        states, step and data position, every ``every`` steps, the newest ``keep`` kept);
+        ``fit(..., resume=True)`` goes on from the newest one.
     """
 
     def __init__(
@@ -188,8 +145,11 @@ class Pipeline:
         seed: int = 0,
         on_nan: str = "raise",
         prefetch: int = 2,
+        checkpoint: Any = None,
+        every: int = 100,
+        keep: int | None = 3,
     ):
-        stages = _read_stages(stages)
+        stages = read_stages(stages, _WHERE)
         check_loss_fn(loss, _WHERE, "loss(outputs, targets) -> scalar loss")
         self.microbatches = whole(
             microbatches, "microbatches", _WHERE, lo=1, example=8, note="parts per batch"
@@ -208,7 +168,7 @@ class Pipeline:
         self.prefetch = whole(prefetch, "prefetch", _WHERE, lo=0, example=2, note="batches placed ahead")
         contexts = [ctx for ctx, _, _ in stages]
         self.contexts = tuple(c.name for c in contexts)
-        _warn_shared(contexts)
+        warn_shared(contexts, _WHERE)
         count = len(stages)
         self._stages = [Stage(i, c, f, count, loss, remat) for i, (c, f, _) in enumerate(stages)]
         self._params = [
@@ -223,6 +183,9 @@ class Pipeline:
         self._position: dict | None = None  # where the last fit of arrays stopped
         self._orders: dict[int, tuple[Op, ...]] = {}  # microbatches -> the schedule's order
         self.history: History | None = None
+        self.checkpoints = (
+            None if checkpoint is None else Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
+        )
         self.kept_bytes: tuple[int, ...] = (0,) * count
 
     # -- state ---------------------------------------------------------------------------
@@ -424,6 +387,7 @@ class Pipeline:
         shuffle: bool = True,
         seed: int | None = None,
         on_nan: str | None = None,
+        resume: bool = False,
         progress: bool | None = None,
     ) -> History:
         """Trains the stages: one optimizer state per stage, on its context (kept across fits
@@ -436,10 +400,13 @@ class Pipeline:
             fit then stops with a ``DataRanOut`` warning, state kept.
           optimizer: an optax ``GradientTransformation``; default: the pipeline's own
             (``mg.Pipeline(..., optimizer=)``).
-          steps: steps to run (default: one epoch of arrays).
+          steps: steps to run (default: one epoch of arrays). With ``resume=True``, the steps
+            of the whole run, as ``Trainer.fit``'s.
           batch_size: rows per batch, for arrays (default min(rows, 256)).
           shuffle: shuffle arrays each epoch (else in order).
           seed, on_nan: in place of the pipeline's own, for this fit.
+          resume: first restore the newest checkpoint in the pipeline's ``checkpoint`` folder
+            (parameters, optimizer states, step and data position).
           progress: None: a bar once the fit has run a second; True: at once; False: never.
 
         Returns a ``History`` (also ``pipe.history``). Ctrl-C stops at a step boundary with the
@@ -459,15 +426,39 @@ class Pipeline:
                 f"{where}: data is a function or an iterable of batches; say how many steps, e.g. steps=500"
             )
         if self._optimizer is not optimizer:
-            self._opt = [jax.jit(optimizer.init)(p) for p in self._params]
+            self._opt = [  # every leaf on its stage's context, the step count too
+                jax.jit(optimizer.init, out_shardings=jax.sharding.SingleDeviceSharding(s.ctx.device))(p)
+                for p, s in zip(self._params, self._stages, strict=True)
+            ]
             self._optimizer = optimizer
+        self._begin(resume, where)
+        if resume:
+            total = max(total - self._step, 0)
         fit = Fit(where, [s.ctx for s in self._stages], total, progress)
         self.history = fit.history
+        if total == 0:
+            return fit.history
+        feed = Feed(
+            src, total, self._step + 1, lambda b, own: self._place(b, where), self.prefetch, self._position
+        )
+        try:
+            self._steps(feed, fit, optimizer, on_nan)
+        finally:
+            self._fit_ended(feed)
+        return fit.end(f"step {self._step} (params and opt_state are that step's)")
+
+    def _steps(self, feed: Feed, fit: Fit, optimizer: Any, on_nan: str) -> None:
+        """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
+        at once or one step late (``reads_late``)."""
+
+        def take() -> tuple:
+            return feed.take(fit.stop)
 
         def dispatch(item: tuple) -> _Dispatched:
             batch, position = item
             out = self._dispatch(batch, optimizer)
             feed.after = position
+            self._save_due(position)
             return out
 
         def read(item: _Dispatched) -> None:
@@ -475,21 +466,25 @@ class Pipeline:
             fit.read(item.step, loss, ok, (item.rows,) * len(self._stages))
             if not ok and on_nan == "raise":
                 kept = f"the fit stopped at step {self._step}"
-                raise not_finite(where, item.step, loss, kept, "pass on_nan='skip' to skip such steps")
+                raise not_finite(fit.where, item.step, loss, kept, "pass on_nan='skip' to skip such steps")
 
-        def take() -> tuple:
-            return feed.take(fit.stop)
+        fit.steps(take, dispatch, read, reads_late([s.ctx.device for s in self._stages]))
 
-        feed = Feed(
-            src, total, self._step + 1, lambda b, own: self._place(b, where), self.prefetch, self._position
-        )
-        try:
-            fit.steps(take, dispatch, read, reads_late([s.ctx.device for s in self._stages]))
-        finally:
-            position = feed.close()
-            if feed.arrays:
-                self._position = position
-        return fit.end(f"step {self._step} (params and opt_state are that step's)")
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def _state(self, position: dict | None) -> dict:
+        return {
+            "params": self._params,
+            "opt_state": self._opt,
+            "step": self._step,
+            "key": None,
+            "data": {} if position is None else dict(position),
+        }
+
+    def _restore(self, back: dict) -> None:
+        self._params, self._opt = list(back["params"]), list(back["opt_state"])
+        self._step = int(back["step"])
+        self._position = back["data"] or None
 
     def _optimizer_for(self, optimizer: Any, where: str) -> Any:
         """The optimizer a fit uses: the one given to it, else the pipeline's own."""

@@ -5,6 +5,7 @@ the bytes a forward keeps."""
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import optax
 
 from .. import _contexts
 from .._transfer import place
-from ._checks import check_scalar_loss
+from ._checks import check_params, check_scalar_loss, device_context
 
 
 def fn_name(fn: Callable) -> str:
@@ -66,6 +67,60 @@ def gate(loss: jax.Array, sums: list) -> jax.Array:
     for s in sums:
         total = total + s
     return jnp.isfinite(total)
+
+
+def read_stages(stages: Any, owner: str) -> list[tuple[_contexts.Context, Callable, Any]]:
+    """The stages as (context, fn, params), each checked."""
+    if not isinstance(stages, list | tuple):
+        raise TypeError(
+            f"{owner}: stages must be a list of (context, fn, params), e.g. "
+            f"[('dev0', stage0, p0), ('dev1', stage1, p1)]; got {type(stages).__name__} {stages!r:.80}"
+        )
+    if not stages:
+        raise ValueError(
+            f"{owner}: no stages; give a list of (context, fn, params), e.g. "
+            "[('dev0', stage0, p0), ('dev1', stage1, p1)]"
+        )
+    out = []
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, list | tuple) or len(stage) != 3:
+            raise TypeError(
+                f"{owner}: stage {i} must be a (context, fn, params) triple, e.g. ('dev{i}', "
+                f"stage{i}, p{i}); got {type(stage).__name__} {stage!r:.80}"
+            )
+        name, fn, p = stage
+        ctx = device_context(name, f"{owner}: stage {i}", f"dev{i}")
+        if not callable(fn):
+            raise TypeError(
+                f"{owner}: stage {i} ({ctx.name}): fn must be a function fn(params, x) -> y; got "
+                f"{type(fn).__name__} {fn!r:.60}"
+            )
+        where = f"{owner}: stage {i} ({ctx.name}, {fn_name(fn)})"
+        if not jax.tree_util.tree_leaves(p):
+            raise ValueError(
+                f"{where} has no parameters; every stage trains parameters of its own: merge "
+                "a function without parameters into a neighbouring stage's fn"
+            )
+        check_params(p, where)
+        out.append((ctx, fn, p))
+    return out
+
+
+def warn_shared(contexts: list[_contexts.Context], owner: str) -> None:
+    """Warns of stages that share a device: they take turns there."""
+    shared: dict[Any, list[int]] = {}
+    for i, c in enumerate(contexts):
+        shared.setdefault(c.device, []).append(i)
+    for idx in shared.values():
+        if len(idx) > 1:
+            names = ", ".join(f"{i} ({contexts[i].name})" for i in idx)
+            warnings.warn(
+                f"{owner}: stages {names} run on one device ({contexts[idx[0]].short}): they take "
+                "turns there, so no overlap is possible between them, and the hops between them "
+                "move nothing",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _avals(tree: Any) -> str:

@@ -12,7 +12,7 @@ from .. import _progress
 from .._numbers import whole
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
-from ._checkpoint import Checkpoints
+from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
 from ._feed import Feed
 from ._history import History
@@ -22,7 +22,7 @@ from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spm
 _WHERE = "Trainer"
 
 
-class Trainer:
+class Trainer(Checkpointing):
     """Trains one model on every context in the map (or ``contexts``) with an optax optimizer.
 
     >>> import mgkit as mg, optax, jax.numpy as jnp, numpy as np
@@ -262,16 +262,7 @@ class Trainer:
         k = len(self.targets.contexts)
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
         total = self._total(src, steps, epochs, where)
-        if resume:
-            self._resume(where)
-        elif self.checkpoints is not None:
-            latest = self.checkpoints.latest()
-            if latest is not None and latest > self._step:
-                raise ValueError(
-                    f"{where}: the checkpoint folder '{self.checkpoints.directory}' holds step {latest}, "
-                    f"ahead of this trainer (step {self._step}): pass resume=True to go on from it, or "
-                    "give the trainer a new folder (checkpoint='ckpt_2/')"
-                )
+        self._begin(resume, where)
         if resume and total is not None:
             total = max(total - self._step, 0)
         fit = Fit(where, self.targets.contexts, total, progress)
@@ -282,11 +273,7 @@ class Trainer:
         try:
             self._steps(feed, fit)
         finally:
-            position = feed.close()
-            if self.checkpoints is not None:
-                self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
-            if feed.arrays:
-                self._position = position
+            self._fit_ended(feed)
         return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
 
     def _steps(self, feed: Feed, fit: Fit) -> None:
@@ -309,8 +296,7 @@ class Trainer:
                 fit.read_at, first = time.perf_counter(), False
             out = self._dispatch(placed)
             feed.after = position
-            if self.checkpoints is not None and self.checkpoints.due(self._step):
-                self._save(position)  # before the next step donates these arrays
+            self._save_due(position)
             return self._step, out, rows
 
         def read(item: tuple) -> None:
@@ -334,31 +320,7 @@ class Trainer:
             "data": {} if position is None else dict(position),
         }
 
-    def _save(self, position: dict | None) -> None:
-        """Saves the state after the step just dispatched (orbax copies the arrays off the
-        devices before this returns, and writes them in the background)."""
-        self.checkpoints.save(self._step, self._state(position))
-
-    def save(self) -> None:
-        """Saves a checkpoint of the current state now (needs ``checkpoint=``), and waits for it."""
-        if self.checkpoints is None:
-            raise TypeError(
-                f"{_WHERE}.save: this trainer has no checkpoint folder; make it with checkpoint='ckpt/'"
-            )
-        latest = self.checkpoints.latest()
-        if latest != self._step:
-            self.checkpoints.save(self._step, self._state(self._position))
-        self.checkpoints.wait()
-
-    def _resume(self, where: str) -> None:
-        if self.checkpoints is None:
-            raise TypeError(
-                f"{where}: resume=True restores from the trainer's checkpoint folder, and this trainer "
-                "has none; make it with mg.Trainer(..., checkpoint='ckpt/')"
-            )
-        if self.checkpoints.latest() is None:
-            return  # nothing saved yet: a first run
-        back = self.checkpoints.restore(self._state(self._position))
+    def _restore(self, back: dict) -> None:
         self._params, self._opt, self._step = back["params"], back["opt_state"], int(back["step"])
         if self._key is not None and back["key"] is not None:
             self._key = back["key"]
