@@ -33,7 +33,9 @@ from .._numbers import whole
 from .._spmd import sharding
 from .._transfer import place
 from . import _data
+from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import MissingInputError, check_loss_on, device_context
+from ._feed import Feed
 from ._history import History
 from ._loop import Bar, Interrupts, StepEvents, Stop, conclude, not_finite, run_steps
 from ._member import EnsembleResult, Member, MemberError, MemberResult
@@ -42,9 +44,9 @@ from ._step import copied, spmd_step
 _WHERE = "Ensemble"
 
 
-class _Runner:
+class _Runner(Checkpointing):
     """A member's state in an ensemble: its context, compiled step, parameters, optimizer state,
-    steps and data position."""
+    steps, data position and checkpoints."""
 
     def __init__(self, name: str, member: Member, ctx: _contexts.Context):
         self.name, self.member, self.ctx = name, member, ctx
@@ -54,17 +56,54 @@ class _Runner:
         self.opt = jax.jit(member.optimizer.init, out_shardings=rep)(self.params)
         self.program = spmd_step(member.loss_fn, member.optimizer, member.has_aux, devices, gated=True)
         self.alive_true = jax.device_put(jnp.asarray(True), rep)
-        self.step = 0
-        self.position: dict | None = None
+        self._step = 0
+        self._position: dict | None = None  # where the last fit of arrays stopped
         self.checked = member._checked  # a member of arrays was checked when made
         self.what = f"Ensemble.fit [{name}]"
+        self.checkpoints = None
+        if member.checkpoint is not None:
+            where = f"Member {name!r}"
+            self.checkpoints = Checkpoints(
+                member.checkpoint, every=member.every, keep=member.keep, where=where
+            )
 
-    def source(self) -> Any:
+    @property
+    def step(self) -> int:
+        """Steps completed, over every fit."""
+        return self._step
+
+    def _what(self) -> tuple[str, str]:
+        return "member", "mg.Member(..., checkpoint='ckpt/')"
+
+    def _state(self, position: dict | None) -> dict:
+        key = self.member.key
+        return {
+            "params": self.params,
+            "opt_state": self.opt,
+            "step": self._step,
+            "key": None if key is None else key,
+            "data": {} if position is None else dict(position),
+        }
+
+    def _restore(self, back: dict) -> None:
+        self.params, self.opt, self._step = back["params"], back["opt_state"], int(back["step"])
+        self._position = back["data"] or None
+
+    def feed(self, total: int) -> Feed:
+        """This fit's batches: placed on the member's context (a split event; batches mgkit made
+        are its own copies, the caller's are copied first, since the step may keep them)."""
         m = self.member
-        src = _data.source(m.data, m.batch_size, m.shuffle, m.seed, 1, f"{_WHERE} member {self.name!r}")
-        if isinstance(src, _data.ArraySource) and self.position is not None:
-            src.seek(self.position)
-        return src
+        where = f"{_WHERE} member {self.name!r}"
+        src = _data.source(m.data, m.batch_size, m.shuffle, m.seed, 1, where)
+
+        def put(batch: Any, own: bool) -> tuple[Any, int]:
+            leaves, treedef, n = _data.check_batch(batch, 1, where, "the batch")
+            placed = place(
+                leaves, self.ctx, Kind.SPLIT, {"rows": n, "of": n, "member": self.name}, private=own
+            )
+            return jax.tree_util.tree_unflatten(treedef, placed), n
+
+        return Feed(src, total, self._step + 1, put, m.prefetch, self._position)
 
     def check_loss(self, even: Any) -> None:
         """The loss function's output, from shapes only, before the first step compiles."""
@@ -81,7 +120,7 @@ class _Fit:
     def __init__(self, runner: _Runner, total: int, token: tuple):
         self.runner, self.total = runner, total
         self.first = runner.step  # the member's step count when this fit began
-        self.src = runner.source()
+        self.feed = runner.feed(total)
         info = {"member": runner.name, "ensemble": token}
         self.events = StepEvents(runner.what, [runner.ctx], self.first + total, info)
         self.done = 0  # steps dispatched this fit
@@ -90,7 +129,6 @@ class _Fit:
         self.stopped: str | None = None
         self.alive = runner.alive_true
         self.last_end: float | None = None  # when its last read step ended (perf_counter)
-        self.position: dict | None = None
 
     @property
     def running(self) -> bool:
@@ -207,7 +245,12 @@ class Ensemble:
     # -- fitting -------------------------------------------------------------------------
 
     def fit(
-        self, steps: int | None = None, *, on_error: str = "continue", progress: bool | None = None
+        self,
+        steps: int | None = None,
+        *,
+        on_error: str = "continue",
+        resume: bool = False,
+        progress: bool | None = None,
     ) -> EnsembleResult:
         """Trains every member: its own ``steps`` if it has them, else ``steps``.
 
@@ -220,6 +263,8 @@ class Ensemble:
             not finite (under its ``on_nan="raise"``), stops with the state of its last applied
             update (``res[name].error`` says where and why) and the others finish;
             ``"stop_all"``: everyone stops at the next step boundary.
+          resume: first restore each member with a checkpoint folder (``Member(checkpoint=)``)
+            from its newest checkpoint; its steps are then those of its whole run.
           progress: None: a bar once the fit has run a second; True: at once; False: never.
 
         Returns an ``EnsembleResult`` (member name -> ``MemberResult``), also kept as
@@ -236,28 +281,20 @@ class Ensemble:
                 f"{where}: on_error={on_error!r}; use 'continue' (the other members finish) or "
                 "'stop_all' (everyone stops at the next step boundary)"
             )
-        totals = {}
-        for name, r in self._runners.items():
-            total = r.member.steps if r.member.steps is not None else steps
-            if total is None:
-                raise MissingInputError(
-                    f"{where}: member {name!r} ({r.ctx.name}) has no steps; give mg.Member(..., steps=500) "
-                    "or ens.fit(steps=1000)"
-                )
-            totals[name] = total
+        totals = self._totals(steps, resume, where)
         self._fits += 1
         token = (id(self), self._fits)
-        fits = [_Fit(r, totals[name], token) for name, r in self._runners.items()]
+        fits: list[_Fit] = []
         bar = Bar(where, sum(totals.values()), progress)
         interrupted = False
         try:
+            fits += [_Fit(r, totals[name], token) for name, r in self._runners.items()]
             with Interrupts() as stop:
                 interrupted = self._loop(fits, on_error, bar, stop)
         finally:
             bar.close(sum(len(f.history) for f in fits), lambda: _postfix(fits))
             for f in fits:
-                if isinstance(f.src, _data.ArraySource):
-                    f.runner.position = f.position or f.runner.position
+                f.runner._fit_ended(f.feed)
             self.result = self._result(fits, interrupted)
         rounds = max((len(f.history) for f in fits), default=0)
         kept = "each member's last completed step (ens.result, ens.params)"
@@ -280,6 +317,26 @@ class Ensemble:
             )
         return self.result
 
+    def _totals(self, steps: int | None, resume: bool, where: str) -> dict[str, int]:
+        """Each member's steps this fit (with ``resume``, after restoring its newest checkpoint:
+        the steps of its run left)."""
+        if resume and not any(r.checkpoints is not None for r in self._runners.values()):
+            raise TypeError(
+                f"{where}: resume=True restores each member from its checkpoint folder, and no member has "
+                "one; make them with mg.Member(..., checkpoint='ckpt/member/')"
+            )
+        totals = {}
+        for name, r in self._runners.items():
+            total = r.member.steps if r.member.steps is not None else steps
+            if total is None:
+                raise MissingInputError(
+                    f"{where}: member {name!r} ({r.ctx.name}) has no steps; give mg.Member(..., steps=500) "
+                    "or ens.fit(steps=1000)"
+                )
+            r._begin(resume and r.checkpoints is not None, f"{where}: member {name!r}")
+            totals[name] = max(total - r.step, 0) if resume else total
+        return totals
+
     def _loop(self, fits: list[_Fit], on_error: str, bar: Bar, stop: Interrupts) -> bool:
         """Rounds of one step per running member (``run_steps``, a round a step), each round's
         losses read in the next. Returns whether Ctrl-C stopped it."""
@@ -295,7 +352,7 @@ class Ensemble:
 
         def dispatch(running: list[_Fit]) -> list[_Pending]:
             nonlocal halt
-            items = [self._dispatch(f) for f in running]
+            items = [self._dispatch(f, stop) for f in running]
             halt = halt or (on_error == "stop_all" and None in items)
             return [item for item in items if item is not None]
 
@@ -312,36 +369,32 @@ class Ensemble:
                 f.stopped = Stop.INTERRUPTED if interrupted else "stopped"
         return interrupted
 
-    def _dispatch(self, f: _Fit) -> _Pending | None:
-        """Places the member's next batch and dispatches its step; a member whose data or
-        step raises stops here (None)."""
+    def _dispatch(self, f: _Fit, stop: Interrupts) -> _Pending | None:
+        """Takes the member's next batch (placed by its feed) and dispatches its step; a member
+        whose data or step raises stops here (None)."""
         r = f.runner
         step = r.step + 1
         try:
             try:
-                batch = f.src.next(step)
+                (even, n), position = f.feed.take(stop)
             except StopIteration:
                 f.stopped = Stop.DATA
                 return None
-            leaves, treedef, n = _data.check_batch(batch, 1, f"{_WHERE} member {r.name!r}", "the batch")
-            own = isinstance(f.src, _data.ArraySource)
-            # one context: the batch goes to its device whole (a split event); batches mgkit
-            # made are its own copies, the caller's are copied first (the step may keep them)
-            placed = place(leaves, r.ctx, Kind.SPLIT, {"rows": n, "of": n, "member": r.name}, private=own)
-            even, rest = jax.tree_util.tree_unflatten(treedef, placed), None
+            except KeyboardInterrupt:
+                return None  # Ctrl-C while the loader worked: the loop stops at this boundary
             r.check_loss(even)
             key = None if r.member.key is None else jax.random.fold_in(r.member.key, step)
             t0 = time.perf_counter()
-            out = r.program(r.params, r.opt, even, rest, key, f.alive)
+            out = r.program(r.params, r.opt, even, None, key, f.alive)
         except Exception as e:  # noqa: BLE001 - the member stops; the others go on
             self._fail(f, step, e, "error")
             return None
         r.params, r.opt = out.params, out.opt_state
         if r.member.on_nan == "raise":  # the next step applies only while every step so far did
             f.alive = out.ok
-        r.step, f.done = step, f.done + 1
+        r._step, f.done = step, f.done + 1
+        r._save_due(position)
         timing = _clock.watch(r.ctx.device, out.loss, t0)
-        position = dict(f.src.position) if own else None
         return _Pending(f, step, out.loss, out.ok, n, timing, position)
 
     def _read(self, item: _Pending, label: int | None, offset: float) -> bool:
@@ -355,7 +408,7 @@ class Ensemble:
             loss = float(item.loss)  # NaN where the gated step applied no update
             ok = loss == loss
         except Exception as e:  # noqa: BLE001 - a failure on the device
-            r.step = min(r.step, item.step - 1)
+            r._step = min(r.step, item.step - 1)
             self._fail(f, item.step, e, "error")
             return False
         item.timing.wait()
@@ -363,8 +416,7 @@ class Ensemble:
         cadence = end - (f.last_end if f.last_end is not None else start)
         f.last_end = end
         f.history.append(item.step, loss if ok else float("nan"), cadence, (item.rows,))
-        if item.position is not None:
-            f.position = item.position
+        f.feed.after = item.position
         facts = {
             "iteration": item.step,
             "round": item.step - f.first,
@@ -374,7 +426,7 @@ class Ensemble:
         }
         f.events.record(offset + start, max(end - start, 0.0), label, (item.rows,), facts)
         if not ok and r.member.on_nan == "raise":
-            r.step = item.step  # it counts, as a trainer's does; the gated steps behind it changed nothing
+            r._step = item.step  # it counts, as a trainer's does; the gated steps behind it changed nothing
             kept = f"the member stopped at step {item.step}"
             err = not_finite(f"member {r.name!r}", item.step, loss, kept, "give Member(..., on_nan='skip')")
             self._fail(f, item.step, err, Stop.NAN, trace="")
@@ -405,6 +457,12 @@ class Ensemble:
         failed = sum(f.error is not None for f in fits)
         note = "; interrupted" if interrupted else f"; {failed} failed" if failed else ""
         return EnsembleResult(results, f"mgkit ensemble: {len(fits)} member(s){note}")
+
+    def save(self) -> None:
+        """Saves a checkpoint of every member with a checkpoint folder now, and waits for them."""
+        for r in self._runners.values():
+            if r.checkpoints is not None:
+                r.save()
 
     # -- the picture ---------------------------------------------------------------------
 

@@ -47,6 +47,11 @@ class Member:
         member goes on.
       name: what results and views call the member (default: its context, or
         ``context/i`` where several share one).
+      prefetch: batches placed ahead of the member's step by a background thread
+        (``mg.Prefetch``); 0 places each batch when the step needs it.
+      checkpoint, every, keep: a folder to save the member's checkpoints in, as
+        ``mg.Trainer``'s (its own folder per member); ``Ensemble.fit(resume=True)`` goes on
+        from the newest one.
     """
 
     def __init__(
@@ -64,6 +69,10 @@ class Member:
         has_aux: bool = False,
         on_nan: str = "raise",
         name: str | None = None,
+        prefetch: int = 2,
+        checkpoint: Any = None,
+        every: int = 100,
+        keep: int | None = 3,
     ):
         where = "Member" if name is None else f"Member {name!r}"
         self.loss_fn = check_loss_fn(loss_fn, where)
@@ -82,6 +91,8 @@ class Member:
         self.key = check_key(key, where)
         self.has_aux = bool(has_aux)
         self.on_nan = check_on_nan(on_nan, where)
+        self.prefetch = whole(prefetch, "prefetch", where, lo=0, example=2, note="batches placed ahead")
+        self.checkpoint, self.every, self.keep = checkpoint, every, keep  # opened by the ensemble
         if name is not None and (not isinstance(name, str) or not name):
             raise TypeError(f"{where}: name must be a non-empty str, got {type(name).__name__} {name!r}")
         self.name = name
