@@ -17,6 +17,8 @@ the progress bar            ``Bar``
 after the fit               ``conclude``: KeyboardInterrupt after Ctrl-C, the data warning
 all of it for one fit       ``Fit``: its ``History``, events, bar and Ctrl-C; ``steps`` runs
                             them, ``read`` keeps a step's loss, ``end`` concludes
+the batches, placed ahead   ``_feed.Feed`` (arrays go on across fits)
+checkpoints and resume      ``_checkpoint.Checkpointing``
 ==========================  ===============================================================
 """
 

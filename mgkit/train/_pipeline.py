@@ -131,6 +131,9 @@ class Pipeline(Checkpointing):
       checkpoint: a folder to save checkpoints in, as ``mg.Trainer``'s (parameters, optimizer
         states, step and data position, every ``every`` steps, the newest ``keep`` kept);
         ``fit(..., resume=True)`` goes on from the newest one.
+
+    ``kept_bytes``: per stage, the most bytes its forwards kept at once for the backwards in
+    the last call (GPipe: all M microbatches'; 1F1B: at most S - s on stage s).
     """
 
     def __init__(
