@@ -220,7 +220,9 @@ def test_a_nan_keeps_the_members_last_finite_state_and_stop_all_stops_everyone()
         res = ens.fit(steps=50, on_error="stop_all", progress=False)
     err = res["nan"].error
     assert err.step == 5 and isinstance(err.error, FloatingPointError) and res["nan"].stopped == "nan"
-    assert res["nan"].step == 4  # the step dispatched behind the NaN changed nothing
+    # the NaN step counts, as a trainer's does, with its update not applied; the step dispatched
+    # behind it changed nothing
+    assert res["nan"].step == 5
     assert 5 <= res["other"].step <= 7 and res["other"].stopped == "stopped"
     alone = mg.Trainer(_linear, optax.sgd(0.1), _params("linear"), contexts=["dev0"])
     alone.fit(fine, steps=4, progress=False)
@@ -251,11 +253,74 @@ def test_ctrl_c_stops_every_member_at_a_step_boundary_and_the_next_fit_goes_on()
     res = ens.result
     for name in ("a", "b"):
         r = res[name]
-        # the round under way when Ctrl-C came ends (a late signal: a round or two more)
-        assert r.stopped == "interrupted" and 8 <= r.step <= 12 and len(r.history) == r.step
+        # the round under way when Ctrl-C came ends (a late signal: a round or two more); a
+        # member's loader asks for batches up to prefetch + 1 steps ahead of the step that runs
+        assert r.stopped == "interrupted" and 8 - 3 <= r.step <= 12 and len(r.history) == r.step
         assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree_util.tree_leaves(r.params))
     before = ens.step
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ens.fit(steps=3, progress=False)
     assert ens.step == {name: before[name] + 3 for name in before}
+
+
+def test_a_member_with_on_nan_skip_goes_on_and_one_whose_data_runs_out_warns():
+    X, y = _data(0)
+    bad = X.copy()
+    bad[0, 0] = np.nan
+
+    def nan_at_2(step):
+        return (bad if step == 2 else X)[:32], y[:32]
+
+    batches = [(X[:32], y[:32])] * 2
+    ens = mg.Ensemble(
+        {
+            "dev0": mg.Member(
+                _linear, optax.sgd(0.1), _params("linear"), data=nan_at_2, on_nan="skip", name="s"
+            ),
+            "dev1": mg.Member(_linear, optax.sgd(0.1), _params("linear"), data=batches, name="short"),
+        }
+    )
+    with pytest.warns(mg.train.DataRanOut, match=r"member 'short': the data ended after 2 of 4 step\(s\)"):
+        res = ens.fit(steps=4, progress=False)
+    h = res["s"].history
+    assert (
+        res["s"].error is None
+        and res["s"].step == 4
+        and np.isnan(h.loss[1])
+        and np.isfinite(h.loss[[0, 2, 3]]).all()
+    )
+    assert res["short"].stopped == "data ran out" and res["short"].step == 2
+    # skipping gives what a trainer that skips gives
+    alone = mg.Trainer(_linear, optax.sgd(0.1), _params("linear"), contexts=["dev0"], on_nan="skip")
+    alone.fit(nan_at_2, steps=4, progress=False)
+    assert _same(res["s"].params, alone.params)
+    with pytest.raises(ValueError, match=r"Member 'x': on_nan='no'"):
+        mg.Member(_linear, optax.sgd(0.1), _params("linear"), data=(X, y), on_nan="no", name="x")
+
+
+def test_members_with_checkpoint_folders_resume_to_the_uninterrupted_runs_parameters(tmp_path):
+    def ensemble(**kw):
+        return mg.Ensemble(
+            {
+                "dev0": mg.Member(
+                    _mlp, optax.adam(1e-2), _params("mlp"), data=_data(0), batch_size=16, name="m", **kw
+                ),
+                "dev1": mg.Member(
+                    _linear, optax.sgd(0.1), _params("linear"), data=_data(1), prefetch=0, name="l"
+                ),
+            }
+        )
+
+    whole_run = ensemble().fit(steps=9, progress=False)
+    first = ensemble(checkpoint=tmp_path / "m", every=3)
+    first.fit(steps=7, progress=False)  # the member m saves at 3 and 6
+    again = ensemble(checkpoint=tmp_path / "m", every=3)
+    res = again.fit(steps=9, resume=True, progress=False)
+    # m goes on from its step 6 (3 steps); l, without a folder, runs its 9 steps from the start
+    assert len(res["m"].history) == 3 and res["m"].step == 9 and res["l"].step == 9
+    assert _same(res["m"].params, whole_run["m"].params) and _same(res["l"].params, whole_run["l"].params)
+    with pytest.raises(TypeError, match=r"resume=True restores each member from its checkpoint folder"):
+        ensemble().fit(steps=2, resume=True, progress=False)
+    with pytest.raises(ValueError, match=r"member 'm': the checkpoint folder .* ahead of this member"):
+        ensemble(checkpoint=tmp_path / "m", every=3).fit(steps=2, progress=False)

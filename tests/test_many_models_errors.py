@@ -154,9 +154,9 @@ CASES = {
     ),
     "zero microbatches": (lambda: _pipe(microbatches=0), ValueError, r"microbatches=0"),
     "an unknown schedule": (
-        lambda: _pipe(schedule="1f1b"),
+        lambda: _pipe(schedule="interleaved"),
         ValueError,
-        r"schedule='1f1b' is not known; use one of \['gpipe'\]",
+        r"schedule='interleaved' is not known; use one of \['gpipe', '1f1b'\]",
     ),
     "a loss that is not a function (pipeline)": (
         lambda: _pipe(loss=None),

@@ -80,13 +80,13 @@ def test_any_number_of_contexts_gives_one_devices_parameters(batch_size):
         assert mg.where(jax.tree_util.tree_leaves(tr.params)[0]) == "+".join(f"dev{i}" for i in range(k))
 
 
-def test_contexts_sharing_a_device_run_cutorchs_loop_with_the_same_result():
+def test_contexts_sharing_a_device_run_the_gather_update_copy_loop_with_the_same_result():
     data, params = _problem()
     opt = optax.adam(1e-2)
     want = _one_device(params, data, opt, 60, 100)
     mg.use_contexts("a->cpu0;b->cpu0;c->cpu1", verbose=False)
     tr = mg.Trainer(_loss, opt, params)
-    assert not tr.spmd and "cutorch" in repr(tr)
+    assert not tr.spmd and "gather-update-copy loop" in repr(tr)
     tr.fit(data, steps=60, batch_size=100, progress=False)
     _close(jax.device_get(tr.params), want)
     mg.ledger().flush()
@@ -192,7 +192,7 @@ def test_a_nan_loss_keeps_the_last_good_parameters(on_nan):
 @pytest.mark.parametrize("contexts", ["a->cpu0;b->cpu1;c->cpu2", "a->cpu0;b->cpu0;c->cpu1"])
 def test_a_finite_loss_with_a_nan_gradient_is_not_applied(contexts):
     """jnp.where's trap: sqrt at 0 behind a where gives a finite loss and a NaN gradient. Both
-    step paths (one SPMD program; cutorch's loop) leave such an update out."""
+    step paths (one SPMD program; the gather-update-copy loop) leave such an update out."""
     mg.use_contexts(contexts, verbose=False)
 
     def loss(p, b):

@@ -2,23 +2,29 @@
 stages, their compiled steps, data, history and checkpoints.
 
 ``mg.Trainer(loss_fn, optimizer, params)`` trains one model with an optax optimizer on every
-context in the map: one SPMD program per step over distinct devices of one kind, cutorch's loop
-(per-context gradients gathered on the first context, the update there, the parameters copied
-back) where contexts share a device or mix kinds. ``fit`` returns a ``History``.
+context in the map: one SPMD program per step over distinct devices of one kind, the
+gather-update-copy loop (per-context gradients gathered on the first context, the update
+there, the parameters copied back) where contexts share a device or mix kinds. ``fit``
+returns a ``History``.
 
 ``mg.Ensemble({ctx: mg.Member(...)})`` trains different models side by side, one per context
 (or several on one); ``mg.Pipeline([(ctx, fn, params), ...], loss)`` splits one model
-layer-wise across contexts and trains it with microbatches (GPipe).
+layer-wise across contexts and trains it with microbatches (GPipe or 1F1B).
+
+All three fit on one skeleton (``_loop``: stop reasons, Ctrl-C, step events, the non-finite
+policy, data running out, the progress bar, ``History``; ``_feed``: the batches;
+``_checkpoint``: checkpoints and resume), and take their arguments in the same places: the
+optimizer, seed, ``on_nan``, ``prefetch`` and checkpoint folder where the model is made.
 """
 
 from ._ensemble import Ensemble as Ensemble
-from ._ensemble import EnsembleResult as EnsembleResult
-from ._ensemble import Member as Member
-from ._ensemble import MemberError as MemberError
-from ._ensemble import MemberResult as MemberResult
 from ._history import History as History
+from ._loop import DataRanOut as DataRanOut
+from ._member import EnsembleResult as EnsembleResult
+from ._member import Member as Member
+from ._member import MemberError as MemberError
+from ._member import MemberResult as MemberResult
 from ._pipeline import Pipeline as Pipeline
-from ._trainer import DataRanOut as DataRanOut
 from ._trainer import Trainer as Trainer
 
 __all__ = [

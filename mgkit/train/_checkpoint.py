@@ -282,3 +282,75 @@ class Checkpoints:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"every={self.every}, keep={self.keep}"
         return f"Checkpoints('{self.directory}', {state})"
+
+
+class Checkpointing:
+    """What a trainer with a checkpoint folder does (``Trainer``, ``Pipeline``): saves its
+    state every ``every`` steps while it fits, ``save()`` on demand, and a fit with
+    ``resume=True`` goes on from the newest checkpoint. The trainer says what its state is
+    (``_state(position)``: a dict of ``params``, ``opt_state``, ``step``, ``key`` and the data
+    position) and takes a restored one back (``_restore(back)``)."""
+
+    checkpoints: Checkpoints | None
+    _step: int
+    _position: dict | None  # where the last fit of arrays stopped
+
+    def _state(self, position: dict | None) -> dict:
+        raise NotImplementedError
+
+    def _restore(self, back: dict) -> None:
+        raise NotImplementedError
+
+    def _what(self) -> tuple[str, str]:
+        """(what messages call the trainer, how one makes it with a folder)."""
+        name = type(self).__name__
+        return name.lower(), f"mg.{name}(..., checkpoint='ckpt/')"
+
+    def _begin(self, resume: bool, where: str) -> None:
+        """Before a fit: restores the newest checkpoint (``resume``; none saved yet: a first
+        run), or checks that the folder holds none ahead of the trainer's step."""
+        what, make = self._what()
+        if resume:
+            if self.checkpoints is None:
+                raise TypeError(
+                    f"{where}: resume=True restores from the {what}'s checkpoint folder, and this {what} "
+                    f"has none; make it with {make}"
+                )
+            if self.checkpoints.latest() is not None:
+                self._restore(self.checkpoints.restore(self._state(self._position)))
+        elif self.checkpoints is not None:
+            latest = self.checkpoints.latest()
+            if latest is not None and latest > self._step:
+                raise ValueError(
+                    f"{where}: the checkpoint folder '{self.checkpoints.directory}' holds step {latest}, "
+                    f"ahead of this {what} (step {self._step}): pass resume=True to go on from it, or "
+                    f"give the {what} a new folder (checkpoint='ckpt_2/')"
+                )
+
+    def _save_due(self, position: dict | None) -> None:
+        """Saves the state after the step just dispatched where the step is one to save (orbax
+        copies the arrays off the devices before this returns, before the next step donates
+        them, and writes them in the background)."""
+        if self.checkpoints is not None and self.checkpoints.due(self._step):
+            self.checkpoints.save(self._step, self._state(position))
+
+    def _fit_ended(self, feed: Any) -> None:
+        """After a fit: its loader (a ``Feed``) stopped, its checkpoints on disk, and where its
+        arrays stopped kept for the next fit (and the next checkpoint)."""
+        position = feed.close()
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+        if feed.arrays:
+            self._position = position
+
+    def save(self) -> None:
+        """Saves a checkpoint of the current state now (needs ``checkpoint=``), and waits for it."""
+        if self.checkpoints is None:
+            what, _ = self._what()
+            raise TypeError(
+                f"{type(self).__name__}.save: this {what} has no checkpoint folder; make it with "
+                "checkpoint='ckpt/'"
+            )
+        if self.checkpoints.latest() != self._step:
+            self.checkpoints.save(self._step, self._state(self._position))
+        self.checkpoints.wait()

@@ -100,6 +100,20 @@ def check_scalar_loss(out: Any, has_aux: bool, where: str, what: str = "loss_fn"
         )
 
 
+def check_loss_on(
+    loss_fn: Callable, params: Any, batch: Any, key: Any, has_aux: bool, where: str, on: str
+) -> None:
+    """What ``loss_fn(params, batch)`` (with ``key``, where given) returns on ``batch``'s shapes
+    (``jax.eval_shape``: nothing compiles or runs): a floating-point scalar. ``on`` says how a
+    loss function that raises failed (``"failed on the first batch"``)."""
+    extra = () if key is None else (key,)
+    try:
+        out = jax.eval_shape(loss_fn, params, batch, *extra)
+    except Exception as e:
+        raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}") from e
+    check_scalar_loss(out, has_aux, where)
+
+
 def device_context(name: Any, where: str, example: str = "dev0") -> _contexts.Context:
     """A context that computes: a context or device name (or a jax.Device), not host memory."""
     if not isinstance(name, str | jax.Device):

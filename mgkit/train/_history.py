@@ -10,7 +10,7 @@ from .._table import text_table
 
 
 class History:
-    """The steps one ``Trainer.fit`` ran.
+    """The steps one fit ran (``Trainer.fit``, ``Pipeline.fit``, an ensemble member's).
 
     Attributes:
       step: (n,) the trainer's step number after each step (they go on from fit to fit).

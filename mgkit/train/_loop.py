@@ -1,13 +1,178 @@
-"""What every training loop shares: Ctrl-C noted and acted on at a step boundary, and the
-progress bar."""
+"""The fit skeleton every trainer shares (``Trainer``, ``Ensemble``, ``Pipeline``).
+
+Each trainer keeps only what is its own (the SPMD step, the round of members, the pipeline's
+schedule) and hands the rest to this module:
+
+==========================  ===============================================================
+what                        here
+==========================  ===============================================================
+why a fit stopped           ``Stop`` (the strings ``History.stopped`` holds)
+the steps, one after one    ``run_steps``: take a batch, dispatch, read the loss at once or
+                            one step late (``reads_late``), Ctrl-C and data running out
+Ctrl-C                      ``Interrupts``: noted, acted on at the next step boundary
+a non-finite loss           ``check_on_nan`` and ``not_finite`` (the error and its message)
+data running out            ``DataRanOut``, warned by ``conclude``
+step events                 ``StepEvents``: one ``Kind.STEP`` event per context per step
+the progress bar            ``Bar``
+after the fit               ``conclude``: KeyboardInterrupt after Ctrl-C, the data warning
+all of it for one fit       ``Fit``: its ``History``, events, bar and Ctrl-C; ``steps`` runs
+                            them, ``read`` keeps a step's loss, ``end`` concludes
+the batches, placed ahead   ``_feed.Feed`` (arrays go on across fits)
+checkpoints and resume      ``_checkpoint.Checkpointing``
+==========================  ===============================================================
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from .._beat import beat
+from .._contexts import Context
+from .._ledger import Kind, Layout, execution_label, ledger
+from ._history import History
+
+
+class DataRanOut(UserWarning):
+    """An iterable of batches ended before the steps asked for."""
+
+
+class Stop:
+    """Why a fit ended before its steps (``History.stopped``; None: it ran them all)."""
+
+    INTERRUPTED = "interrupted"  # Ctrl-C (the notebook's Stop button), at a step boundary
+    DATA = "data ran out"  # the iterable of batches ended
+    NAN = "nan"  # a step's loss or gradient was not finite, under on_nan="raise"
+
+
+ON_NAN = ("raise", "skip")
+
+
+def check_on_nan(on_nan: Any, where: str) -> str:
+    """``on_nan`` as given, where it is one of ``ON_NAN``."""
+    if on_nan not in ON_NAN:
+        raise ValueError(f"{where}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'")
+    return on_nan
+
+
+def not_finite(where: str, step: int, loss: float, kept: str, fix: str) -> FloatingPointError:
+    """The error of a step whose loss or gradient is not finite (its update was not applied);
+    ``kept``: whose state is kept, ``fix``: how to skip such steps instead."""
+    return FloatingPointError(
+        f"{where}: step {step}'s loss is {loss} (or a gradient is not finite): its update was not "
+        f"applied, and {kept}; params and opt_state are the last finite ones (from before that step). "
+        f"Lower the learning rate, check the batch's data, or {fix}"
+    )
+
+
+def reads_late(devices: Sequence[Any]) -> bool:
+    """Whether a step's loss is read one step late (after the next step is dispatched, so the
+    devices never wait for Python): yes, except for a step over several CPU devices, read at
+    once, since XLA's CPU runtime can deadlock with two collective programs in flight."""
+    return len(set(devices)) == 1 or devices[0].platform != "cpu"
+
+
+def run_steps(
+    take: Callable[[], Any],
+    dispatch: Callable[[Any], Any],
+    read: Callable[[Any], None],
+    total: int | None,
+    stop: Interrupts,
+    late: bool,
+) -> str | None:
+    """Runs up to ``total`` steps (None: until ``take`` ends): ``take()`` the next batch (it
+    raises StopIteration when the data ends), ``dispatch(batch)`` a step, ``read(dispatched)``
+    its loss, at once or, with ``late``, after the next step's dispatch. Stops at a step boundary
+    on Ctrl-C. Returns why it stopped early (a ``Stop``), or None; ``read``'s errors propagate,
+    the steps dispatched before them read first."""
+    done, pending, stopped = 0, None, None
+    while total is None or done < total:
+        if stop.requested:
+            stopped = Stop.INTERRUPTED
+            break
+        try:
+            batch = take()
+        except StopIteration:
+            stopped = Stop.DATA
+            break
+        except KeyboardInterrupt:
+            stopped = Stop.INTERRUPTED
+            break
+        current = dispatch(batch)
+        done += 1
+        if late:
+            current, pending = pending, current
+        if current is not None:
+            read(current)
+    if pending is not None:
+        read(pending)
+    return stopped
+
+
+def conclude(
+    where: str, stopped: str | None, done: int, total: int | None, kept: str, stacklevel: int = 3
+) -> None:
+    """After a fit of ``done`` steps: KeyboardInterrupt where Ctrl-C stopped it, a ``DataRanOut``
+    warning where the data ended before ``total`` steps. ``kept``: whose state is kept, e.g.
+    ``"step 12 (params, opt_state and step are that step's)"``; ``stacklevel``: the warning's,
+    from this function (3: the caller's caller)."""
+    if stopped == Stop.INTERRUPTED:
+        raise KeyboardInterrupt(
+            f"{where} stopped at {kept}, a step boundary, after {done} step(s) this fit; fit again to go on"
+        )
+    if stopped == Stop.DATA and total is not None:
+        warnings.warn(
+            f"{where}: the data ended after {done} of {total} step(s); it keeps the state of {kept}. "
+            "Give more batches, or fewer steps",
+            DataRanOut,
+            stacklevel=stacklevel,
+        )
+
+
+class StepEvents:
+    """A fit's step events: at each step one ``Kind.STEP`` event per context, with its rows,
+    the step's loss and samples per second. The events of a step are one ``Layout`` call, the
+    layout made once per rows per context (recording costs the same on any number of contexts).
+
+    Args:
+      what: what ran (``"Trainer.fit"``), the events' ``info["what"]``.
+      contexts: the contexts the step ran on.
+      total: the steps asked for (``info["of"]``), or None.
+      info: more facts every event of this fit carries (a member's name).
+    """
+
+    def __init__(
+        self, what: str, contexts: Sequence[Context], total: int | None, info: Mapping[str, Any] | None = None
+    ):
+        self.contexts = tuple(contexts)
+        nan = float("nan")
+        self._info = {"what": what, "of": total, "models": 1, "grad": nan, "final": False, **(info or {})}
+        self._layouts: dict[tuple[int, ...], Layout] = {}
+
+    def record(
+        self, start: float, seconds: float, label: int | None, rows: tuple[int, ...], facts: Mapping[str, Any]
+    ) -> None:
+        """Records one step that began at ``start`` (``time.time()``) and took ``seconds``, with
+        ``rows`` per context and ``facts`` (``iteration``, ``loss``...) on each event
+        (samples per second: each context's rows over ``seconds``, unless ``facts`` says)."""
+        layout = self._layouts.get(rows)
+        if layout is None:
+            layout = Layout(
+                [
+                    ((Kind.STEP, c.name, c.name, c.short, c.short, 0), 1.0, {**self._info, "rows": r})
+                    for c, r in zip(self.contexts, rows, strict=True)
+                ]
+            )
+            if len(self._layouts) < 64:
+                self._layouts[rows] = layout
+        extra = tuple(
+            {"samples_per_second": r / seconds if seconds > 0 else float("nan"), **facts} for r in rows
+        )
+        ledger().record(layout.call(start, seconds, label, extra))
 
 
 class Interrupts:
@@ -66,3 +231,65 @@ class Bar:
             self.bar.set_postfix_str(postfix(), refresh=False)
             self.bar.close()
             self.bar = None
+
+
+class Fit:
+    """One fit in progress: its ``History``, step events, progress bar and Ctrl-C.
+
+    Args:
+      where: what fits (``"Trainer.fit"``), in events, the bar and messages.
+      contexts: the contexts each step runs on (a history column and step events each).
+      total: the steps asked for, or None (until the data ends).
+      progress: the bar's ``progress`` (None: after a second; True: at once; False: never).
+      info: more facts every step event carries (a member's name).
+    """
+
+    def __init__(
+        self,
+        where: str,
+        contexts: Sequence[Context],
+        total: int | None,
+        progress: bool | None,
+        info: Mapping[str, Any] | None = None,
+    ):
+        self.where, self.total = where, total
+        self.history = History(tuple(c.name for c in contexts))
+        self.events = StepEvents(where, contexts, total, info)
+        self.bar = Bar(where, total, progress)
+        self.stop = Interrupts()
+        self.label = execution_label()
+        self.read_at = time.perf_counter()  # when the last step's loss was read (or the steps began)
+
+    def steps(
+        self, take: Callable[[], Any], dispatch: Callable[[Any], Any], read: Callable, late: bool
+    ) -> None:
+        """``run_steps`` with Ctrl-C noted; the history says why the steps stopped early (a
+        non-finite loss raises FloatingPointError: ``Stop.NAN``); the bar is closed."""
+        history = self.history
+        try:
+            with self.stop:
+                history.stopped = run_steps(take, dispatch, read, self.total, self.stop, late)
+        except FloatingPointError:
+            history.stopped = Stop.NAN
+            raise
+        finally:
+            self.bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
+
+    def read(self, step: int, loss: float, ok: bool, rows: tuple[int, ...]) -> float:
+        """Keeps a step's loss just read (NaN in the history where its update was not applied):
+        its history entry, step events, the watchdog's beat and the bar. Returns the seconds
+        since the last read (the step's time)."""
+        now = time.perf_counter()
+        seconds, self.read_at = now - self.read_at, now
+        self.history.append(step, loss if ok else float("nan"), seconds, rows)
+        self.events.record(
+            time.time() - seconds, seconds, self.label, rows, {"iteration": step, "loss": loss}
+        )
+        beat(step)
+        self.bar.tick(len(self.history), lambda: f"loss {loss:.6g}")
+        return seconds
+
+    def end(self, kept: str) -> History:
+        """``conclude`` for this fit; returns its history."""
+        conclude(self.where, self.history.stopped, len(self.history), self.total, kept, stacklevel=4)
+        return self.history

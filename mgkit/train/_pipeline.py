@@ -1,11 +1,13 @@
 """``mg.Pipeline``: one model split layer-wise across contexts, trained with microbatches.
 
-Seed 003's third case (TensorFlow's layer-wise split over two GPUs) as a GPipe schedule: the
-batch is cut into M microbatches; each goes forward through the S stages, each stage on its
-own context with its own function and parameters, the activations moved to the next stage's
-context; then each goes backward, the gradients moved back. One thread dispatches every call
-and every move in that order without waiting, so while stage 1 computes microbatch 0, stage
-0 computes microbatch 1: the devices overlap except in the pipeline's bubble.
+The batch is cut into M microbatches; each goes forward through the S stages, each stage on
+its own context with its own function and parameters, the activations moved to the next
+stage's context; then each goes backward, the gradients moved back. The order of those calls
+is a schedule, a value (``_pipeline_schedule``): GPipe (every microbatch forward, then every
+one backward) or 1F1B (each stage alternating a forward and a backward once the pipeline is
+full, keeping at most S microbatches' activations). One thread dispatches every call and every
+move in that order without waiting, so while stage 1 computes microbatch 0, stage 0 computes
+microbatch 1: the devices overlap except in the pipeline's bubble.
 
 Every hop between neighbouring stages is ``jax.device_put`` under mgkit's placement and so
 in the ledger: 2 * M * (S - 1) ``transfer`` events a step (activations forward, gradients
@@ -17,168 +19,73 @@ The forward of a stage keeps what its backward needs (the residuals of ``jax.vjp
 context; with ``remat=True`` it keeps only its input, and the backward computes the forward
 again. The loss of a microbatch is weighted by its share of the batch's rows, so the
 gradients are those of the whole batch's mean loss, even when the batch does not divide by M.
+
+A training step's update applies only where the loss and every stage's gradients are finite:
+each stage's gradient sum moves to the last stage, which decides, and the decision moves back
+(recorded moves of one scalar each), so no step waits for the host to look at the loss.
 """
 
 from __future__ import annotations
 
-import functools
 import time
-import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from .. import _clock, _contexts
-from .._ledger import Event, execution_label, ledger
+from .. import _clock
+from .._ledger import Event, Kind, execution_label, ledger
 from .._numbers import whole
 from .._spmd import shares
 from .._transfer import leaves_of, place
 from . import _data
+from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import (
     MissingInputError,
     check_loss_fn,
     check_optimizer,
-    check_params,
-    check_scalar_loss,
-    device_context,
 )
+from ._feed import Feed
 from ._history import History
-from ._loop import Bar, Interrupts
+from ._loop import Fit, check_on_nan, not_finite, reads_late
+from ._pipeline_schedule import SCHEDULES, Block, Op, Ran, run
+from ._stage import (
+    Stage,
+    check_shapes,
+    finite_sum,
+    fn_name,
+    gate,
+    placed,
+    read_stages,
+    shapes_key,
+    warn_shared,
+)
 
 _WHERE = "Pipeline"
-SCHEDULES = ("gpipe",)
 
 
-def _fn_name(fn: Callable) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
+class _Placed(NamedTuple):
+    """A batch cut into microbatches and placed for a call."""
+
+    token: tuple  # the call's (pipeline id, call number): its events' ``info["pipeline"]``
+    xs: list  # each microbatch's inputs, on the first stage's context
+    ys: list  # each microbatch's (targets, weight), on the last stage's context
+    rows: int  # the batch's rows
 
 
-def _avals(tree: Any) -> str:
-    """A pytree's shapes for messages: ``float32[16,5]``, or ``{'x': float32[16,5], ...}``."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    text = [f"{jnp.dtype(leaf.dtype).name}[{','.join(map(str, leaf.shape))}]" for leaf in leaves]
-    return text[0] if len(text) == 1 and not isinstance(tree, dict | list | tuple) else f"({', '.join(text)})"
+class _Dispatched(NamedTuple):
+    """A training step dispatched, its loss not read yet."""
+
+    step: int  # the pipeline's step number
+    loss: jax.Array  # the batch's mean loss, on the last stage's context
+    ok: jax.Array  # whether its update applied (loss and gradients finite), on the last stage's context
+    rows: int  # the batch's rows
 
 
-def _key(*trees: Any) -> tuple:
-    """The shapes and dtypes of the trees' leaves (arrays, tracers or shape structs)."""
-    return tuple((tuple(x.shape), str(x.dtype)) for t in trees for x in jax.tree_util.tree_leaves(t))
-
-
-class _Stage:
-    """One stage's compiled calls: forward (keeping what the backward needs), backward
-    (accumulating the parameters' gradient over microbatches, returning the input's), and the
-    optimizer's update; all on the stage's context."""
-
-    def __init__(
-        self, index: int, ctx: _contexts.Context, fn: Callable, count: int, loss: Callable, remat: bool
-    ):
-        self.index, self.ctx, self.fn, self.remat = index, ctx, fn, remat
-        self.first, self.last = index == 0, index == count - 1
-        self.name = f"stage {index} ({ctx.name}, {_fn_name(fn)})"
-        self._trees: dict[tuple, Any] = {}  # arguments' shapes -> the vjp's structure (remat=False)
-        self._backs: dict[tuple, Callable] = {}
-
-        if self.last:
-
-            def model(p, x, y, w):
-                return w * loss(fn(p, x), y)
-        else:
-
-            def model(p, x):
-                return fn(p, x)
-
-        first = self.first
-
-        def vjp(p, x, *rest):
-            if first:  # the batch's inputs are not differentiated (they may be integers)
-                out, back = jax.vjp(lambda p: model(p, x, *rest), p)
-            else:
-                out, back = jax.vjp(lambda p, x: model(p, x, *rest), p, x)
-            return out, back
-
-        self._vjp = vjp
-
-        def keep(p, x, *rest):
-            out, back = vjp(p, x, *rest)
-            leaves, tree = jax.tree_util.tree_flatten(back)
-            self._trees[_key(p, x, *rest)] = (tree, jax.ShapeDtypeStruct(out.shape, out.dtype))
-            return out, leaves
-
-        self._forward = jax.jit(model if remat else keep)
-        self.apply = jax.jit(fn)
-        self._update: Callable | None = None
-        self._optimizer: Any = None
-
-    def forward(self, p: Any, x: Any, rest: tuple) -> tuple[Any, tuple]:
-        """(output, saved): the stage's output (the last stage's: its weighted loss), and what
-        its backward needs."""
-        if self.remat:
-            return self._forward(p, x, *rest), (x, *rest)
-        out, leaves = self._forward(p, x, *rest)
-        return out, (_key(p, x, *rest), leaves)
-
-    def backward(self, p: Any, saved: tuple, g: Any, acc: Any) -> tuple[Any, Any]:
-        """(the parameters' gradient plus ``acc``, the input's gradient or None)."""
-        if self.remat:
-            key = ("remat", _key(*saved))
-            back = self._backs.get(key)
-            if back is None:
-                back = self._backs[key] = jax.jit(self._recompute, donate_argnums=(3,))
-            return back(p, saved, g, acc)
-        key, leaves = saved
-        back = self._backs.get(key)
-        if back is None:
-            tree = self._trees[key]
-            back = self._backs[key] = jax.jit(functools.partial(self._replay, tree), donate_argnums=(2,))
-        return back(leaves, g, acc)
-
-    def _finish(self, cot: tuple, acc: Any) -> tuple[Any, Any]:
-        gp = cot[0] if acc is None else jax.tree_util.tree_map(jnp.add, acc, cot[0])
-        return gp, (None if self.first else cot[1])
-
-    def _replay(self, tree: tuple, leaves: list, g: Any, acc: Any) -> tuple[Any, Any]:
-        structure, out = tree
-        back = jax.tree_util.tree_unflatten(structure, leaves)
-        return self._finish(back(jnp.ones(out.shape, out.dtype) if g is None else g), acc)
-
-    def _recompute(self, p: Any, saved: tuple, g: Any, acc: Any) -> tuple[Any, Any]:
-        out, back = self._vjp(p, *saved)
-        return self._finish(back(jnp.ones_like(out) if g is None else g), acc)
-
-    def update(self, optimizer: optax.GradientTransformation, p: Any, opt: Any, grads: Any) -> tuple:
-        if self._update is None or self._optimizer is not optimizer:
-
-            def step(p, opt, grads):
-                updates, opt = optimizer.update(grads, opt, p)
-                return optax.apply_updates(p, updates), opt
-
-            self._update, self._optimizer = jax.jit(step, donate_argnums=(0, 1)), optimizer
-        return self._update(p, opt, grads)
-
-
-@jax.jit
-def _finite_sum(grads: Any) -> jax.Array:
-    total = jnp.zeros((), jnp.float32)
-    for g in jax.tree_util.tree_leaves(grads):
-        total = total + jnp.sum(g, dtype=jnp.result_type(g.dtype, jnp.float32))
-    return total
-
-
-@jax.jit
-def _total(losses: list) -> jax.Array:
-    out = losses[0]
-    for x in losses[1:]:
-        out = out + x
-    return out
-
-
-class Pipeline:
-    """One model split layer-wise across contexts, trained with microbatches (GPipe).
+class Pipeline(Checkpointing):
+    """One model split layer-wise across contexts, trained with microbatches (GPipe or 1F1B).
 
     >>> import mgkit as mg, optax, jax, jax.numpy as jnp, numpy as np
     >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
@@ -192,11 +99,12 @@ class Pipeline:
     >>> y = X.sum(1)
     >>> p0 = {"w": jnp.full((4, 8), 0.1), "b": jnp.zeros(8)}
     >>> p1 = {"w": jnp.full((8, 1), 0.1)}
-    >>> pipe = mg.Pipeline([("dev0", layer, p0), ("dev1", head, p1)], loss=mse, microbatches=4)
+    >>> pipe = mg.Pipeline([("dev0", layer, p0), ("dev1", head, p1)], loss=mse, microbatches=4,
+    ...                    optimizer=optax.adam(1e-2))
     >>> loss, grads = pipe.value_and_grad(batch=(X, y))
     >>> [mg.where(g) for g in grads]
     ['dev0', 'dev1']
-    >>> hist = pipe.fit((X, y), optax.adam(1e-2), steps=50, batch_size=32, progress=False)
+    >>> hist = pipe.fit((X, y), steps=50, batch_size=32, progress=False)
     >>> bool(hist.loss[-1] < hist.loss[0])
     True
 
@@ -207,9 +115,25 @@ class Pipeline:
         stage's outputs (it runs on the last stage's context).
       microbatches: M, the parts each batch is cut into (a batch that does not divide by M
         gets parts one row apart).
-      schedule: ``"gpipe"``: every microbatch forward, then every one backward.
+      schedule: ``"gpipe"``: every microbatch forward, then every one backward; ``"1f1b"``:
+        each stage alternates one forward and one backward once the pipeline is full, keeping
+        at most S microbatches' activations (the same gradients).
       remat: keep only each stage's input between its forward and backward, and compute the
         forward again in the backward (less memory, more compute).
+      optimizer: an optax ``GradientTransformation`` for ``fit`` (``fit(data, optimizer)``
+        still takes one, in place of this one).
+      seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
+      on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
+        applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
+        and the fit goes on.
+      prefetch: batches cut and placed ahead of the step by a background thread
+        (``mg.Prefetch``); 0 places each batch when the step needs it.
+      checkpoint: a folder to save checkpoints in, as ``mg.Trainer``'s (parameters, optimizer
+        states, step and data position, every ``every`` steps, the newest ``keep`` kept);
+        ``fit(..., resume=True)`` goes on from the newest one.
+
+    ``kept_bytes``: per stage, the most bytes its forwards kept at once for the backwards in
+    the last call (GPipe: all M microbatches'; 1F1B: at most S - s on stage s).
     """
 
     def __init__(
@@ -220,79 +144,51 @@ class Pipeline:
         microbatches: int = 1,
         schedule: str = "gpipe",
         remat: bool = False,
+        optimizer: Any = None,
+        seed: int = 0,
+        on_nan: str = "raise",
+        prefetch: int = 2,
+        checkpoint: Any = None,
+        every: int = 100,
+        keep: int | None = 3,
     ):
-        if not isinstance(stages, list | tuple):
-            raise TypeError(
-                f"{_WHERE}: stages must be a list of (context, fn, params), e.g. "
-                f"[('dev0', stage0, p0), ('dev1', stage1, p1)]; got {type(stages).__name__} {stages!r:.80}"
-            )
-        if not stages:
-            raise ValueError(
-                f"{_WHERE}: no stages; give a list of (context, fn, params), e.g. "
-                "[('dev0', stage0, p0), ('dev1', stage1, p1)]"
-            )
+        stages = read_stages(stages, _WHERE)
         check_loss_fn(loss, _WHERE, "loss(outputs, targets) -> scalar loss")
         self.microbatches = whole(
             microbatches, "microbatches", _WHERE, lo=1, example=8, note="parts per batch"
         )
         if schedule not in SCHEDULES:
             raise ValueError(
-                f"{_WHERE}: schedule={schedule!r} is not known; use one of {list(SCHEDULES)} (every "
-                "microbatch forward, then every one backward)"
+                f"{_WHERE}: schedule={schedule!r} is not known; use one of {list(SCHEDULES)} ('gpipe': every "
+                "microbatch forward, then every one backward; '1f1b': a forward and a backward in turn)"
             )
         if not isinstance(remat, bool):
             raise TypeError(f"{_WHERE}: remat must be True or False, got {type(remat).__name__} {remat!r}")
         self.schedule_name, self.remat, self.loss = schedule, remat, loss
-        contexts, fns, params = [], [], []
-        for i, stage in enumerate(stages):
-            if not isinstance(stage, list | tuple) or len(stage) != 3:
-                raise TypeError(
-                    f"{_WHERE}: stage {i} must be a (context, fn, params) triple, e.g. ('dev{i}', "
-                    f"stage{i}, p{i}); got {type(stage).__name__} {stage!r:.80}"
-                )
-            name, fn, p = stage
-            ctx = device_context(name, f"{_WHERE}: stage {i}", f"dev{i}")
-            if not callable(fn):
-                raise TypeError(
-                    f"{_WHERE}: stage {i} ({ctx.name}): fn must be a function fn(params, x) -> y; got "
-                    f"{type(fn).__name__} {fn!r:.60}"
-                )
-            where = f"{_WHERE}: stage {i} ({ctx.name}, {_fn_name(fn)})"
-            if not jax.tree_util.tree_leaves(p):
-                raise ValueError(
-                    f"{where} has no parameters; every stage trains parameters of its own: merge "
-                    "a function without parameters into a neighbouring stage's fn"
-                )
-            check_params(p, where)
-            contexts.append(ctx)
-            fns.append(fn)
-            params.append(p)
+        self.optimizer = None if optimizer is None else check_optimizer(optimizer, _WHERE)
+        self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
+        self.on_nan = check_on_nan(on_nan, _WHERE)
+        self.prefetch = whole(prefetch, "prefetch", _WHERE, lo=0, example=2, note="batches placed ahead")
+        contexts = [ctx for ctx, _, _ in stages]
         self.contexts = tuple(c.name for c in contexts)
-        shared = {}
-        for i, c in enumerate(contexts):
-            shared.setdefault(c.device, []).append(i)
-        for idx in shared.values():
-            if len(idx) > 1:
-                names = ", ".join(f"{i} ({contexts[i].name})" for i in idx)
-                warnings.warn(
-                    f"{_WHERE}: stages {names} run on one device ({contexts[idx[0]].short}): they take "
-                    "turns there, so no overlap is possible between them, and the hops between them "
-                    "move nothing",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        count = len(contexts)
-        self._stages = [
-            _Stage(i, c, f, count, loss, remat) for i, (c, f) in enumerate(zip(contexts, fns, strict=True))
+        warn_shared(contexts, _WHERE)
+        count = len(stages)
+        self._stages = [Stage(i, c, f, count, loss, remat) for i, (c, f, _) in enumerate(stages)]
+        self._params = [
+            self._own(p, s, "parameters") for (_, _, p), s in zip(stages, self._stages, strict=True)
         ]
-        self._params = [self._own(p, s, "parameters") for p, s in zip(params, self._stages, strict=True)]
         self._optimizer: Any = None
         self._opt: list | None = None
         self._step = 0
         self._calls = 0
         self._last: tuple | None = None  # (token, what) of the last call whose events are recorded
         self._checked: set = set()
+        self._position: dict | None = None  # where the last fit of arrays stopped
+        self._orders: dict[int, tuple[Op, ...]] = {}  # microbatches -> the schedule's order
         self.history: History | None = None
+        self.checkpoints = (
+            None if checkpoint is None else Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
+        )
         self.kept_bytes: tuple[int, ...] = (0,) * count
 
     # -- state ---------------------------------------------------------------------------
@@ -318,15 +214,15 @@ class Pipeline:
         return len(self._stages)
 
     def __repr__(self) -> str:
-        parts = " -> ".join(f"{_fn_name(s.fn)}@{s.ctx.name}" for s in self._stages)
+        parts = " -> ".join(f"{fn_name(s.fn)}@{s.ctx.name}" for s in self._stages)
         remat = ", remat" if self.remat else ""
         m = self.microbatches
         return f"Pipeline({parts}; {m} microbatch(es), {self.schedule_name}{remat}; step {self._step})"
 
-    def _own(self, tree: Any, stage: _Stage, what: str) -> Any:
+    def _own(self, tree: Any, stage: Stage, what: str) -> Any:
         """``tree`` on the stage's context, as arrays of the pipeline's own (moves recorded)."""
         leaves, treedef = leaves_of(tree, f"{_WHERE}: {stage.name}")
-        moved = place(leaves, stage.ctx, "put", {"what": what, "stage": stage.index})
+        moved = place(leaves, stage.ctx, Kind.PUT, {"what": what, "stage": stage.index})
         owned = [jnp.copy(m) if m is x else m for m, x in zip(moved, leaves, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, owned)
 
@@ -341,7 +237,7 @@ class Pipeline:
         out = []
         for tree, stage in zip(p, self._stages, strict=True):
             leaves, treedef = leaves_of(tree, f"{_WHERE}.value_and_grad: {stage.name}")
-            moved = place(leaves, stage.ctx, "put", {"what": "parameters", "stage": stage.index})
+            moved = place(leaves, stage.ctx, Kind.PUT, {"what": "parameters", "stage": stage.index})
             out.append(jax.tree_util.tree_unflatten(treedef, moved))
         return out
 
@@ -382,44 +278,16 @@ class Pipeline:
             ya = jax.tree_util.tree_map(
                 lambda a, size=size: jax.ShapeDtypeStruct((size, *np.shape(a)[1:]), np.result_type(a)), y
             )
-            key = (_key(xa), _key(ya))
+            key = (shapes_key(xa), shapes_key(ya))
             if key in self._checked:
                 continue
-            a = xa
-            for s, stage in enumerate(self._stages):
-                params = jax.tree_util.tree_map(
-                    lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self._params[s]
-                )
-                try:
-                    out = jax.eval_shape(stage.fn, params, a)
-                except Exception as e:
-                    if s == 0:
-                        raise ValueError(
-                            f"{where}: {stage.name} cannot take the batch's inputs {_avals(a)} (one "
-                            f"microbatch of {size} rows): {type(e).__name__}: {_first_line(e)}"
-                        ) from e
-                    before = self._stages[s - 1]
-                    raise ValueError(
-                        f"{where}: {before.name} outputs {_avals(a)}, which {stage.name} cannot take "
-                        f"as its input: {type(e).__name__}: {_first_line(e)}; make the two stages' shapes "
-                        "agree"
-                    ) from e
-                a = out
-            try:
-                out = jax.eval_shape(self.loss, a, ya)
-            except Exception as e:
-                raise ValueError(
-                    f"{where}: the last stage, {self._stages[-1].name}, outputs {_avals(a)}, which "
-                    f"loss(outputs, targets) cannot take with targets {_avals(ya)}: {type(e).__name__}: "
-                    f"{_first_line(e)}"
-                ) from e
-            check_scalar_loss(out, False, where, "loss(outputs, targets)")
+            check_shapes(self._stages, self._params, self.loss, xa, ya, size, where)
             self._checked.add(key)
 
     # -- one step ------------------------------------------------------------------------
 
     def value_and_grad(self, p: Any = None, batch: Any = None) -> tuple[jax.Array, list]:
-        """The batch's mean loss and its gradient, by the GPipe schedule.
+        """The batch's mean loss and its gradient, by the pipeline's schedule.
 
         Args:
           p: one parameter tree per stage (default: the pipeline's own, ``pipe.params``);
@@ -433,8 +301,9 @@ class Pipeline:
         if batch is None:
             raise MissingInputError(f"{where}: give the batch, e.g. pipe.value_and_grad(batch=(X, y))")
         params = self._params if p is None else self._on_stages(p)
-        loss, grads, _ = self._run(params, batch, where, "value_and_grad")
-        return loss, grads
+        ran = self._run(params, self._place(batch, where), "value_and_grad")
+        self._record(ran.blocks)
+        return ran.loss, ran.grads
 
     def apply(self, inputs: Any, p: Any = None) -> Any:
         """The model's outputs for ``inputs`` (rows along axis 0): the whole batch through each
@@ -450,95 +319,59 @@ class Pipeline:
             )
         a = inputs
         for s, stage in enumerate(self._stages):
-            kind = "put" if s == 0 else "transfer"
-            a = _placed(a, stage.ctx, kind, {"what": "activations" if s else "inputs", "stage": s})
+            kind = Kind.PUT if s == 0 else Kind.TRANSFER
+            a = placed(a, stage.ctx, kind, {"what": "activations" if s else "inputs", "stage": s})
             a = stage.apply(params[s], a)
         return a
 
-    def _run(self, params: list, batch: Any, where: str, what: str) -> tuple[jax.Array, list, int]:
+    def _place(self, batch: Any, where: str) -> _Placed:
+        """The batch cut into microbatches, inputs placed on the first stage, targets (with
+        their weights) on the last (recorded as this call's splits)."""
         xs, ys, n, sizes = self._split(batch, where)
-        stages, m_count = self._stages, len(sizes)
-        first, last = stages[0], stages[-1]
+        first, last = self._stages[0], self._stages[-1]
         self._calls += 1
         token = (id(self), self._calls)
-        label = execution_label()
-        blocks: list[tuple[str, int, int | None, _clock.Timing]] = []
         info = {"pipeline": token}
-        # the microbatches onto the first stage (inputs) and the last (targets)
         xs = [
-            _placed(x, first.ctx, "split", {**info, "rows": s, "of": n, "microbatch": i})
+            placed(x, first.ctx, Kind.SPLIT, {**info, "rows": s, "of": n, "microbatch": i})
             for i, (x, s) in enumerate(zip(xs, sizes, strict=True))
         ]
         ys = [
-            _placed(y, last.ctx, "split", {**info, "rows": s, "of": n, "microbatch": i})
+            (
+                placed(y, last.ctx, Kind.SPLIT, {**info, "rows": s, "of": n, "microbatch": i}),
+                np.float32(s / n),
+            )
             for i, (y, s) in enumerate(zip(ys, sizes, strict=True))
         ]
-        weights = [np.float32(s / n) for s in sizes]
-        saved: list[list] = [[None] * m_count for _ in stages]
-        ready: dict[tuple[int, int], _clock.Timing] = {}  # (stage, microbatch) -> when its input landed
-        losses = []
-        kept = [0] * len(stages)
-        for mb in range(m_count):
-            a = xs[mb]
-            for s, stage in enumerate(stages):
-                after = ()
-                if s > 0:
-                    t0 = time.perf_counter()
-                    a = _placed(
-                        a,
-                        stage.ctx,
-                        "transfer",
-                        {**info, "what": "activations", "stage": s, "microbatch": mb},
-                    )
-                    ready[(s, mb)] = _clock.watch(stage.ctx.device, a, t0, (blocks[-1][3],))
-                    after = (ready[(s, mb)],)
-                rest = (ys[mb], weights[mb]) if stage.last else ()
-                t0 = time.perf_counter()
-                out, keep = stage.forward(params[s], a, rest)
-                blocks.append(("forward", s, mb, _clock.watch(stage.ctx.device, out, t0, after)))
-                saved[s][mb] = keep
-                kept[s] += _nbytes(keep, params[s])
-                a = out
-            losses.append(a)
-        accs: list[Any] = [None] * len(stages)
-        for mb in reversed(range(m_count)):
-            g, producer = None, None
-            for s in reversed(range(len(stages))):
-                stage = stages[s]
-                after = ()
-                if g is not None:
-                    t0 = time.perf_counter()
-                    g = _placed(
-                        g, stage.ctx, "transfer", {**info, "what": "gradients", "stage": s, "microbatch": mb}
-                    )
-                    after = (_clock.watch(stage.ctx.device, g, t0, (producer,)),)
-                t0 = time.perf_counter()
-                accs[s], g = stage.backward(params[s], saved[s][mb], g, accs[s])
-                saved[s][mb] = None  # what the backward needed is freed as it goes
-                producer = _clock.watch(stage.ctx.device, (accs[s], g), t0, after)
-                blocks.append(("backward", s, mb, producer))
-        loss = _total(losses)
-        self.kept_bytes = tuple(kept)
-        self._record_blocks(blocks, token, label, what)
-        return loss, accs, n
+        return _Placed(token, xs, ys, n)
 
-    def _record_blocks(self, blocks: list, token: tuple, label: int | None, what: str) -> None:
-        """The forward/backward/update events of a call, recorded once the devices are done
-        (the caller does not wait)."""
+    def _run(self, params: list, batch: _Placed, what: str) -> Ran:
+        """One forward and backward of a placed batch by the schedule."""
+        self._last = (batch.token, what)
+        m = len(batch.xs)
+        order = self._orders.get(m)
+        if order is None:
+            order = self._orders[m] = SCHEDULES[self.schedule_name](len(self._stages), m)
+        ran = run(order, self._stages, params, batch.xs, batch.ys, {"pipeline": batch.token})
+        self.kept_bytes = ran.kept
+        return ran
+
+    def _record(self, blocks: list[Block]) -> None:
+        """The forward/backward/update events of the last call, recorded once the devices are
+        done (the caller does not wait)."""
+        token, what = self._last
         stages = self._stages
+        label = execution_label()
         offset = time.time() - time.perf_counter()
-        self._last = (token, what)
 
         def make() -> list[Event]:
             events = []
-            for kind, s, mb, timing in blocks:
-                timing.wait()
-                start = timing.start
-                c = stages[s].ctx
-                info = {"pipeline": token, "what": what, "stage": s, "microbatch": mb}
+            for b in blocks:
+                b.timing.wait()
+                info = {"pipeline": token, "what": what, "stage": b.stage, "microbatch": b.microbatch}
                 events.append(
-                    Event(
-                        kind, c.name, c.name, c.short, c.short, 0, offset + start, timing.seconds, label, info
+                    Event.on(
+                        b.kind, stages[b.stage].ctx, offset + b.timing.start, b.timing.seconds, label, info
                     )
                 )
             return events
@@ -550,36 +383,42 @@ class Pipeline:
     def fit(
         self,
         data: Any,
-        optimizer: Any,
+        optimizer: Any = None,
         steps: int | None = None,
         *,
         batch_size: int | None = None,
         shuffle: bool = True,
-        seed: int = 0,
-        on_nan: str = "raise",
+        seed: int | None = None,
+        on_nan: str | None = None,
+        resume: bool = False,
         progress: bool | None = None,
     ) -> History:
-        """Trains the stages with ``optimizer``: one state per stage, on its context (kept
-        across fits with the same optimizer; a different one starts afresh).
+        """Trains the stages: one optimizer state per stage, on its context (kept across fits
+        with the same optimizer; a different one starts afresh).
 
         Args:
           data: ``(inputs, targets)`` arrays with rows along axis 0 (batched and shuffled per
-            epoch by ``seed``), a function ``step -> batch`` or an iterable of batches.
-          optimizer: an optax ``GradientTransformation``.
-          steps: steps to run (default: one epoch of arrays).
+            epoch by the seed; a later fit of the same arrays goes on where this one stopped),
+            a function ``step -> batch`` or an iterable of batches, which may end early: the
+            fit then stops with a ``DataRanOut`` warning, state kept.
+          optimizer: an optax ``GradientTransformation``; default: the pipeline's own
+            (``mg.Pipeline(..., optimizer=)``).
+          steps: steps to run (default: one epoch of arrays). With ``resume=True``, the steps
+            of the whole run, as ``Trainer.fit``'s.
           batch_size: rows per batch, for arrays (default min(rows, 256)).
-          on_nan: ``"raise"``: a step whose loss or gradient is not finite is not applied and
-            the fit stops with an error; ``"skip"``: that step is skipped.
+          shuffle: shuffle arrays each epoch (else in order).
+          seed, on_nan: in place of the pipeline's own, for this fit.
+          resume: first restore the newest checkpoint in the pipeline's ``checkpoint`` folder
+            (parameters, optimizer states, step and data position).
           progress: None: a bar once the fit has run a second; True: at once; False: never.
 
         Returns a ``History`` (also ``pipe.history``). Ctrl-C stops at a step boundary with the
         state of the last completed step and raises KeyboardInterrupt.
         """
         where = f"{_WHERE}.fit"
-        check_optimizer(optimizer, where)
-        if on_nan not in ("raise", "skip"):
-            raise ValueError(f"{where}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'")
-        seed = whole(seed, "seed", where, lo=0, example=0)
+        optimizer = self._optimizer_for(optimizer, where)
+        on_nan = self.on_nan if on_nan is None else check_on_nan(on_nan, where)
+        seed = self.seed if seed is None else whole(seed, "seed", where, lo=0, example=0)
         src = _data.source(data, batch_size, shuffle, seed, 1, where)
         if steps is not None:
             total = whole(steps, "steps", where, lo=1, example=500, note="steps to run")
@@ -590,107 +429,112 @@ class Pipeline:
                 f"{where}: data is a function or an iterable of batches; say how many steps, e.g. steps=500"
             )
         if self._optimizer is not optimizer:
-            self._opt = [jax.jit(optimizer.init)(p) for p in self._params]
+            self._opt = [  # every leaf on its stage's context, the step count too
+                jax.jit(optimizer.init, out_shardings=jax.sharding.SingleDeviceSharding(s.ctx.device))(p)
+                for p, s in zip(self._params, self._stages, strict=True)
+            ]
             self._optimizer = optimizer
-        history = History(self.contexts)
-        self.history = history
-        bar = Bar(where, total, progress)
-        stopped = None
+        self._begin(resume, where)
+        if resume:
+            total = max(total - self._step, 0)
+        fit = Fit(where, [s.ctx for s in self._stages], total, progress)
+        self.history = fit.history
+        if total == 0:
+            return fit.history
+        feed = Feed(
+            src, total, self._step + 1, lambda b, own: self._place(b, where), self.prefetch, self._position
+        )
         try:
-            with Interrupts() as stop:
-                for _ in range(total):
-                    if stop.requested:
-                        stopped = "interrupted"
-                        break
-                    try:
-                        batch = src.next(self._step + 1)
-                    except StopIteration:
-                        stopped = "data ran out"
-                        break
-                    self._train_step(batch, optimizer, history, on_nan, where)
-                    bar.tick(len(history), lambda: f"loss {history.loss[-1]:.6g}")
+            self._steps(feed, fit, optimizer, on_nan)
         finally:
-            bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
-            history.stopped = history.stopped or stopped
-        if stopped == "interrupted":
-            raise KeyboardInterrupt(
-                f"{where} stopped at step {self._step} ({len(history)} step(s) this fit); params and "
-                "opt_state are those of that step; fit again to go on"
-            )
-        return history
+            self._fit_ended(feed)
+        return fit.end(f"step {self._step} (params and opt_state are that step's)")
 
-    def _train_step(self, batch: Any, optimizer: Any, history: History, on_nan: str, where: str) -> None:
-        t0 = time.perf_counter()
-        loss, grads, n = self._run(self._params, batch, where, f"fit step {self._step + 1}")
-        sums = [_finite_sum(g) for g in grads]
-        value = float(loss)
-        finite = np.isfinite(value) and all(np.isfinite(float(x)) for x in sums)
+    def _steps(self, feed: Feed, fit: Fit, optimizer: Any, on_nan: str) -> None:
+        """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
+        at once or one step late (``reads_late``)."""
+
+        def take() -> tuple:
+            return feed.take(fit.stop)
+
+        def dispatch(item: tuple) -> _Dispatched:
+            batch, position = item
+            out = self._dispatch(batch, optimizer)
+            feed.after = position
+            self._save_due(position)
+            return out
+
+        def read(item: _Dispatched) -> None:
+            loss, ok = float(item.loss), bool(item.ok)
+            fit.read(item.step, loss, ok, (item.rows,) * len(self._stages))
+            if not ok and on_nan == "raise":
+                kept = f"the fit stopped at step {self._step}"
+                raise not_finite(fit.where, item.step, loss, kept, "pass on_nan='skip' to skip such steps")
+
+        fit.steps(take, dispatch, read, reads_late([s.ctx.device for s in self._stages]))
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def _state(self, position: dict | None) -> dict:
+        return {
+            "params": self._params,
+            "opt_state": self._opt,
+            "step": self._step,
+            "key": None,
+            "data": {} if position is None else dict(position),
+        }
+
+    def _restore(self, back: dict) -> None:
+        self._params, self._opt = list(back["params"]), list(back["opt_state"])
+        self._step = int(back["step"])
+        self._position = back["data"] or None
+
+    def _optimizer_for(self, optimizer: Any, where: str) -> Any:
+        """The optimizer a fit uses: the one given to it, else the pipeline's own."""
+        if optimizer is None:
+            if self.optimizer is None:
+                raise MissingInputError(
+                    f"{where}: no optimizer; give it where the pipeline is made, mg.Pipeline(..., "
+                    "optimizer=optax.adam(1e-3)), or to this fit, pipe.fit(data, optax.adam(1e-3))"
+                )
+            return self.optimizer
+        return check_optimizer(optimizer, where)
+
+    def _dispatch(self, batch: _Placed, optimizer: Any) -> _Dispatched:
+        """One training step dispatched: the schedule's run, then each stage's update, applied
+        only where the loss and every gradient are finite (decided on the last stage)."""
         step = self._step + 1
-        if not finite:
-            history.append(step, float("nan"), time.perf_counter() - t0, (n,) * len(self._stages))
-            if on_nan == "raise":
-                history.stopped = "nan"
-                raise FloatingPointError(
-                    f"{where}: step {step}'s loss is {value} (or a gradient is not finite): its update was "
-                    f"not applied, and the fit stopped at step {self._step}; params and opt_state are the "
-                    "last finite ones. Lower the learning rate, check the batch's data, or pass on_nan='skip'"
-                )
-            self._step = step  # skipped: counted, as the trainer counts it, with the state unchanged
-            return
-        label = execution_label()
-        offset = time.time() - time.perf_counter()
-        token = self._last[0] if self._last else None
-        updates = []
+        ran = self._run(self._params, batch, f"fit step {step}")
+        last = self._stages[-1]
+        sums = [
+            finite_sum(g)
+            if stage.last
+            else placed(finite_sum(g), last.ctx, Kind.TRANSFER, {"what": "gradient sum", "stage": s})
+            for s, (stage, g) in enumerate(zip(self._stages, ran.grads, strict=True))
+        ]
+        ok = gate(ran.loss, sums)
+        blocks = list(ran.blocks)
         for s, stage in enumerate(self._stages):
-            u0 = time.perf_counter()
-            self._params[s], self._opt[s] = stage.update(optimizer, self._params[s], self._opt[s], grads[s])
-            updates.append((s, _clock.watch(stage.ctx.device, self._params[s], u0)))
+            flag = (
+                ok
+                if stage.last
+                else placed(ok, stage.ctx, Kind.TRANSFER, {"what": "finite flag", "stage": s})
+            )
+            t0 = time.perf_counter()
+            self._params[s], self._opt[s] = stage.update(
+                optimizer, self._params[s], self._opt[s], ran.grads[s], flag
+            )
+            blocks.append(Block(Kind.UPDATE, s, None, _clock.watch(stage.ctx.device, self._params[s], t0)))
+        self._record(blocks)
         self._step = step
-        jax.block_until_ready(self._params)  # one step in flight: the next batch's moves wait for this one
-        seconds = time.perf_counter() - t0
-        history.append(step, value, seconds, (n,) * len(self._stages))
-        rate = n / seconds if seconds > 0 else float("nan")
-        events = []
-        for s, timing in updates:
-            c = self._stages[s].ctx
-            timing.wait()
-            info = {"pipeline": token, "what": f"fit step {step}", "stage": s, "microbatch": None}
-            events.append(
-                Event(
-                    "update",
-                    c.name,
-                    c.name,
-                    c.short,
-                    c.short,
-                    0,
-                    offset + timing.start,
-                    timing.seconds,
-                    label,
-                    info,
-                )
-            )
-        for stage in self._stages:
-            c = stage.ctx
-            info = {
-                "what": "Pipeline.fit",
-                "iteration": step,
-                "models": 1,
-                "rows": n,
-                "loss": value,
-                "samples_per_second": rate,
-                "final": False,
-            }
-            events.append(
-                Event("step", c.name, c.name, c.short, c.short, 0, offset + t0, seconds, label, info)
-            )
-        ledger().record(events)
+        return _Dispatched(step, ran.loss, ok, batch.rows)
 
     # -- the picture ---------------------------------------------------------------------
 
     def schedule(self, widget: bool | None = None) -> Any:
         """The last step's timeline (a ``value_and_grad`` call, or a ``fit``'s last step): a row
         per stage, a block per forward, backward and update, from the ledger's events, with the
-        bubble fraction measured beside GPipe's ideal (S - 1) / (M + S - 1). An inline widget in
+        bubble fraction measured beside the ideal (S - 1) / (M + S - 1). An inline widget in
         a notebook, text elsewhere; ``.save_png(path)`` for reports."""
         from ..views import Schedule  # a view: loaded when drawn
 
@@ -702,21 +546,3 @@ class Pipeline:
         token, what = self._last
         events = [e for e in ledger().records() if e.info is not None and e.info.get("pipeline") == token]
         return Schedule.of_pipeline(events, self.contexts, self.microbatches, what, widget=widget)
-
-
-def _placed(tree: Any, ctx: _contexts.Context, kind: str, info: dict) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return jax.tree_util.tree_unflatten(treedef, place(leaves, ctx, kind, info))
-
-
-def _nbytes(saved: tuple, params: Any) -> int:
-    """Bytes a forward keeps for its backward, less the parameters themselves."""
-    own = {id(x) for x in jax.tree_util.tree_leaves(params)}
-    return sum(
-        x.nbytes for x in jax.tree_util.tree_leaves(saved) if hasattr(x, "nbytes") and id(x) not in own
-    )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

@@ -7,9 +7,9 @@ contexts keeps its largest even part split and its last rows (fewer than the con
 context, and weighs the two parts' mean losses by their rows: the gradient of the whole batch's
 mean, in the same program.
 
-Where contexts share a device or mix kinds it is cutorch's loop: each context's gradient of its
-part, gathered on the first context, the update there, the new parameters copied back to the
-others (each move in the ledger).
+Where contexts share a device or mix kinds it is the gather-update-copy loop: each context's
+gradient of its part, gathered on the first context, the update there, the new parameters
+copied back to the others (each move in the ledger).
 
 Either way an update is applied only where the loss and every gradient are finite; the step
 says whether it was (``ok``).
@@ -177,9 +177,9 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
 
 
 class LoopStep:
-    """cutorch's loop over contexts that share a device or mix kinds: each context's gradient of
-    its part, gathered on the first context, weighted by rows; the update there; the new
-    parameters copied back to the other contexts. ``params`` is a list, one replica per context
+    """The gather-update-copy loop over contexts that share a device or mix kinds: each
+    context's gradient of its part, gathered on the first context, weighted by rows; the update
+    there; the new parameters copied back to the other contexts. ``params`` is a list, one replica per context
     (the first the one the update reads and donates)."""
 
     def __init__(

@@ -3,33 +3,26 @@
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from .. import _progress
-from .._beat import beat
-from .._ledger import Layout, ledger
 from .._numbers import whole
-from .._prefetch import Prefetch
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
-from ._checkpoint import Checkpoints
-from ._checks import check_key, check_loss_fn, check_optimizer, check_params, check_scalar_loss
+from ._checkpoint import Checkpointing, Checkpoints
+from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
+from ._feed import Feed
 from ._history import History
-from ._loop import Bar, Interrupts
+from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
 
 
-class DataRanOut(UserWarning):
-    """An iterable of batches ended before the steps asked for."""
-
-
-class Trainer:
+class Trainer(Checkpointing):
     """Trains one model on every context in the map (or ``contexts``) with an optax optimizer.
 
     >>> import mgkit as mg, optax, jax.numpy as jnp, numpy as np
@@ -51,14 +44,14 @@ class Trainer:
         arrays are donated to each step, never yours).
       contexts: context names, a count (the first n) or None for every context in the map.
         Distinct devices of one kind run one SPMD program per step; contexts that share a
-        device or mix kinds run cutorch's loop (see ``mgkit.train``).
+        device or mix kinds run the gather-update-copy loop (see ``mgkit.train``).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
         and the fit goes on.
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
-      balance: None (parts of equal rows) or ``"measured"`` (cutorch's loop only: parts in
-        proportion to each context's measured speed, as ``mg.parallel`` does).
+      balance: None (parts of equal rows) or ``"measured"`` (the gather-update-copy loop only:
+        parts in proportion to each context's measured speed, as ``mg.parallel`` does).
       key: a PRNG key (``jax.random.key(0)``) for a ``loss_fn(params, batch, key)`` that draws
         random numbers (dropout): step s gets ``jax.random.fold_in(key, s)``, so a resumed run
         draws what an uninterrupted one would. None (default): ``loss_fn(params, batch)``.
@@ -92,10 +85,7 @@ class Trainer:
     ):
         check_loss_fn(loss_fn, _WHERE)
         check_optimizer(optimizer, _WHERE)
-        if on_nan not in ("raise", "skip"):
-            raise ValueError(
-                f"{_WHERE}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'"
-            )
+        check_on_nan(on_nan, _WHERE)
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
         check_params(params, _WHERE)
@@ -123,8 +113,6 @@ class Trainer:
             self._program = LoopStep(loss_fn, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
-        self._position_after: dict | None = None
-        self._layouts: dict = {}  # (rows per context, steps) -> the step events' Layout
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
@@ -172,7 +160,7 @@ class Trainer:
         return step_fn
 
     def __repr__(self) -> str:
-        path = "one SPMD program per step" if self.spmd else "cutorch's loop (per-context gradients)"
+        path = "one SPMD program per step" if self.spmd else "gather-update-copy loop (per-context gradients)"
         return (
             f"Trainer({len(self.contexts)} context(s): {', '.join(self.contexts)}; {path}; step {self._step})"
         )
@@ -218,15 +206,17 @@ class Trainer:
         """The loss function's output, from shapes only (before anything compiles or runs)."""
         batch = placed[0] if self.spmd else placed[0][0]
         structure = jax.tree_util.tree_structure(batch)
-        if structure in self._checked:
-            return
-        try:
-            extra = () if self._key is None else (self._key,)
-            out = jax.eval_shape(self.loss_fn, self._params, batch, *extra)
-        except Exception as e:
-            raise type(e)(f"Trainer: loss_fn(params, batch) failed on the first batch: {e}") from e
-        check_scalar_loss(out, self.has_aux, "Trainer")
-        self._checked.add(structure)
+        if structure not in self._checked:
+            check_loss_on(
+                self.loss_fn,
+                self._params,
+                batch,
+                self._key,
+                self.has_aux,
+                _WHERE,
+                "failed on the first batch",
+            )
+            self._checked.add(structure)
 
     # -- fitting -----------------------------------------------------------------------------
 
@@ -272,159 +262,52 @@ class Trainer:
         k = len(self.targets.contexts)
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
         total = self._total(src, steps, epochs, where)
-        if resume:
-            self._resume(where)
-        elif self.checkpoints is not None:
-            latest = self.checkpoints.latest()
-            if latest is not None and latest > self._step:
-                raise ValueError(
-                    f"{where}: the checkpoint folder '{self.checkpoints.directory}' holds step {latest}, "
-                    f"ahead of this trainer (step {self._step}): pass resume=True to go on from it, or "
-                    "give the trainer a new folder (checkpoint='ckpt_2/')"
-                )
-        if isinstance(src, _data.ArraySource) and self._position is not None:
-            pos = self._position
-            same = (pos.get("batch_size"), pos.get("rows"), pos.get("seed"))
-            if same == (src.batch_size, src.rows, src.seed):  # the same arrays, batched alike: go on
-                src.seek(pos)
+        self._begin(resume, where)
         if resume and total is not None:
             total = max(total - self._step, 0)
-        history = History(self.contexts)
-        self.history = history
+        fit = Fit(where, self.targets.contexts, total, progress)
+        self.history = fit.history
         if total == 0:
-            return history
-        shorts = [c.short for c in self.targets.contexts]
-        run = _progress.Run(where, self.contexts, shorts, (0,) * k, (1,) * k, total)
-        bar = Bar(run.what, run.total, progress, run.start)
-        feed = self._feed(src, total)
-        error: BaseException | None = None
-        start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
-        self._position_after = None
+            return fit.history
+        feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position)
         try:
-            with Interrupts() as stop:
-                self._loop(feed, total, history, run, bar, stop)
-        except FloatingPointError as e:
-            error = e
+            self._steps(feed, fit)
         finally:
-            bar.close(run.iteration, lambda: f"loss {run.loss:.6g}")
-            if isinstance(feed, Prefetch):
-                feed.close()
-            if self.checkpoints is not None:
-                self.checkpoints.wait()  # when fit returns, its checkpoints are on disk
-            if isinstance(src, _data.ArraySource):
-                self._position = self._position_after or start
-        if error is not None:
-            history.stopped = "nan"
-            raise error
-        if history.stopped == "interrupted":
-            raise KeyboardInterrupt(
-                f"Trainer.fit stopped at step {self._step} ({len(history)} step(s) this fit); params, "
-                "opt_state and step are those of that step; fit again to go on"
-            )
-        if history.stopped == "data ran out" and total is not None:
-            warnings.warn(
-                f"Trainer.fit: the data ended after {len(history)} of {total} step(s); the trainer "
-                f"keeps the state of step {self._step}. Give more batches, or fewer steps",
-                DataRanOut,
-                stacklevel=2,
-            )
-        return history
+            self._fit_ended(feed)
+        return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
 
-    def _feed(self, src: Any, total: int | None) -> Any:
-        """The placed batches, with each one's data position after it: through a ``Prefetch``
-        (a background thread) unless ``prefetch=0``; at most ``total`` are asked of ``src``."""
-        own = isinstance(src, _data.ArraySource)
-        first = self._step + 1
+    def _steps(self, feed: Feed, fit: Fit) -> None:
+        """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
+        at once or one step late (``reads_late``). Keeps the data position after the last
+        dispatched batch in ``feed.after``."""
+        first = True
 
-        def batches():
-            i = 0
-            while total is None or i < total:
-                try:
-                    batch = src.next(first + i)
-                except StopIteration:
-                    return
-                yield batch, dict(src.position)
-                i += 1
+        def take() -> tuple:
+            return feed.take(fit.stop)
 
-        def place(item):
-            batch, position = item
-            return (*self._place(batch, own), position)
-
-        if self.prefetch == 0:
-            return (place(item) for item in batches())
-        return Prefetch(batches(), place, self.prefetch, where="fit")
-
-    def _loop(
-        self, feed: Any, total: int | None, history: History, run: Any, bar: Bar, stop: Interrupts
-    ) -> None:
-        """Dispatches steps until ``total`` (or the data ends, or Ctrl-C), reading each loss
-        (on CPU devices at once: at most one step in flight; elsewhere one step late). Keeps
-        the data position after the last dispatched batch in ``_position_after``."""
-        one_in_flight = self.targets.devices[0].platform == "cpu"
-        done, pending, last = 0, None, time.perf_counter()
-        while total is None or done < total:
-            if stop.requested:
-                history.stopped = "interrupted"
-                break
-            try:
-                if isinstance(feed, Prefetch):
-                    placed, rows, position = feed.take(lambda: stop.requested)
-                else:
-                    placed, rows, position = next(feed)
-            except StopIteration:
-                history.stopped = "data ran out"
-                break
-            except KeyboardInterrupt:
-                history.stopped = "interrupted"
-                break
+        def dispatch(item: tuple) -> tuple:
+            nonlocal first
+            (placed, rows), position = item
             if self.balance == "measured" and not self.spmd and self._weights is None:
                 self._weights = self._measure(placed)
-            if done == 0:
+            if first:
                 self._check_loss(placed)
                 self._compile(placed)
-                last = time.perf_counter()
+                fit.read_at, first = time.perf_counter(), False
             out = self._dispatch(placed)
-            self._position_after = position
-            done += 1
-            if self.checkpoints is not None and self.checkpoints.due(self._step):
-                self._save(position)  # before the next step donates these arrays
-            current = (self._step, out, rows)
-            if one_in_flight:
-                last = self._finish(current, last, history, run, bar)
-            else:
-                if pending is not None:
-                    last = self._finish(pending, last, history, run, bar)
-                pending = current
-        if pending is not None:
-            self._finish(pending, last, history, run, bar)
+            feed.after = position
+            self._save_due(position)
+            return self._step, out, rows
 
-    def _step_layout(self, rows: tuple[int, ...], total: int | None) -> Layout:
-        """The ``step`` events of a step, one per context (its rows), made once per layout: each
-        step's loss and rates go with it (``Layout.call``'s extra)."""
-        key = (rows, total)
-        layout = self._layouts.get(key)
-        if layout is None:
-            nan = float("nan")
-            layout = Layout(
-                [
-                    (
-                        ("step", c.name, c.name, c.short, c.short, 0),
-                        1.0,
-                        {
-                            "what": "Trainer.fit",
-                            "of": total,
-                            "models": 1,
-                            "rows": r,
-                            "grad": nan,
-                            "final": False,
-                        },
-                    )
-                    for c, r in zip(self.targets.contexts, rows, strict=True)
-                ]
-            )
-            if len(self._layouts) < 64:
-                self._layouts[key] = layout
-        return layout
+        def read(item: tuple) -> None:
+            step, out, rows = item
+            loss, ok = float(out.loss), bool(out.ok)
+            fit.read(step, loss, ok, rows)
+            if not ok and self.on_nan == "raise":
+                kept = f"the fit stopped at step {self._step}"
+                raise not_finite(fit.where, step, loss, kept, "pass on_nan='skip' to skip such steps")
+
+        fit.steps(take, dispatch, read, reads_late(self.targets.devices))
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -437,31 +320,7 @@ class Trainer:
             "data": {} if position is None else dict(position),
         }
 
-    def _save(self, position: dict | None) -> None:
-        """Saves the state after the step just dispatched (orbax copies the arrays off the
-        devices before this returns, and writes them in the background)."""
-        self.checkpoints.save(self._step, self._state(position))
-
-    def save(self) -> None:
-        """Saves a checkpoint of the current state now (needs ``checkpoint=``), and waits for it."""
-        if self.checkpoints is None:
-            raise TypeError(
-                f"{_WHERE}.save: this trainer has no checkpoint folder; make it with checkpoint='ckpt/'"
-            )
-        latest = self.checkpoints.latest()
-        if latest != self._step:
-            self.checkpoints.save(self._step, self._state(self._position))
-        self.checkpoints.wait()
-
-    def _resume(self, where: str) -> None:
-        if self.checkpoints is None:
-            raise TypeError(
-                f"{where}: resume=True restores from the trainer's checkpoint folder, and this trainer "
-                "has none; make it with mg.Trainer(..., checkpoint='ckpt/')"
-            )
-        if self.checkpoints.latest() is None:
-            return  # nothing saved yet: a first run
-        back = self.checkpoints.restore(self._state(self._position))
+    def _restore(self, back: dict) -> None:
         self._params, self._opt, self._step = back["params"], back["opt_state"], int(back["step"])
         if self._key is not None and back["key"] is not None:
             self._key = back["key"]
@@ -508,35 +367,3 @@ class Trainer:
             jax.block_until_ready(self._program.grad(self._replicas[i], part))
             speeds.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
         return tuple(speeds)
-
-    def _finish(self, item: tuple, last: float, history: History, run: Any, bar: Bar) -> float:
-        """Reads a dispatched step's loss (waiting for it), records its step events and history
-        entry; raises FloatingPointError for a skipped update under ``on_nan="raise"``."""
-        step, out, rows = item
-        loss = float(out.loss)
-        ok = bool(out.ok)
-        now = time.perf_counter()
-        seconds = now - last
-        history.append(step, loss if ok else float("nan"), seconds, rows)
-        facts = tuple(
-            {
-                "iteration": step,
-                "loss": loss,
-                "samples_per_second": r / seconds if seconds > 0 else float("nan"),
-            }
-            for r in rows
-        )
-        ledger().record(
-            self._step_layout(rows, run.total).call(time.time() - seconds, seconds, run.label, facts)
-        )
-        run.iteration, run.loss = step, loss
-        beat(step)
-        bar.tick(step, lambda: f"loss {loss:.6g}")
-        if not ok and self.on_nan == "raise":
-            raise FloatingPointError(
-                f"Trainer.fit: step {step}'s loss is {loss} (or a gradient is not finite): its update was "
-                f"not applied, and the fit stopped at step {self._step}. params and opt_state are the last "
-                "finite ones (from before that step). Lower the learning rate, check the batch's data, or "
-                "pass on_nan='skip' to skip such steps"
-            )
-        return now
