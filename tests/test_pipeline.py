@@ -286,6 +286,7 @@ def test_the_1f1b_picture_shows_each_stage_alternating_forwards_and_backwards():
         blocks = sorted((b for b in shown.blocks if b.row == row), key=lambda b: b.start)
         assert "".join(b.kind[0].upper() for b in blocks) == want
     assert "1f1b" in repr(pipe)
+    assert "(1F1B)" in repr(shown) and "GPipe" not in repr(shown)
 
 
 # -- where each argument lives ------------------------------------------------------------------

@@ -75,38 +75,52 @@ def test_docstring_examples_run(module):
     assert result.failed == 0
 
 
-def _package_imports() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (at the top or inside a function), read from
-    the source: ``mgkit._ledger`` -> {``mgkit._contexts``, ...}; the package root is ``mgkit``."""
+def _sources() -> dict[str, Path]:
+    """Module name -> its file, for every module of the package (``mgkit._ledger._events``)."""
+    root = Path(mg.__path__[0])
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path, sources: dict[str, Path]):
+    """The package's imports in one module (at the top or inside a function), read from the
+    source: ``(module imported, name taken from it or None, the name it is bound to)``;
+    ``from . import _contexts`` imports the module ``mgkit._contexts``."""
     import ast
 
-    root = Path(mg.__path__[0])
-    graph: dict[str, set[str]] = {}
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        found = graph.setdefault(name, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name.split(".")[0] == "mgkit"}
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    target = f"{base}.{node.module}" if node.module else base
-                else:
-                    target = node.module or ""
-                if target.split(".")[0] != "mgkit":
-                    continue
-                for alias in node.names:  # `from . import _contexts` names a module
-                    sub = f"{target}.{alias.name}"
-                    found.add(
-                        sub
-                        if (root.parent / Path(*sub.split("."))).exists()
-                        or (root.parent / Path(*sub.split("."))).with_suffix(".py").exists()
-                        else target
-                    )
-        found.discard(name)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "mgkit":
+                    yield a.name, None, a.asname or a.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "mgkit":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                yield (
+                    (sub, None, a.asname or a.name)
+                    if sub in sources
+                    else (target, a.name, a.asname or a.name)
+                )
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: ``mgkit._ledger`` -> {``mgkit._contexts``, ...};
+    the package root is ``mgkit``."""
+    sources = _sources()
+    graph = {}
+    for module, path in sources.items():
+        graph[module] = {target for target, _, _ in _imports(module, path, sources)} - {module}
     return graph
 
 
@@ -134,3 +148,62 @@ def test_package_imports_have_no_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_is_over_600_lines():
+    long = {m: n for m, p in _sources().items() if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines (split them by question): {long}"
+
+
+def test_no_function_is_over_80_lines():
+    """Counted without its docstring."""
+    import ast
+
+    long = {}
+    for module, path in _sources().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            if ast.get_docstring(node, clean=False) is not None:
+                doc = node.body[0]
+                lines -= doc.end_lineno - doc.lineno + 1
+            if lines > 80:
+                long[f"{module}.{node.name}"] = lines
+    assert not long, f"functions over 80 lines: {long}"
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """No ``from .other import _name``, no ``other_module._name``, and a private module is
+    imported only from inside its own package (``mgkit.launching._result`` only from
+    ``mgkit.launching``; ``mgkit._ledger`` from anywhere in ``mgkit``)."""
+    import ast
+
+    sources = _sources()
+    found = []
+    for module, path in sources.items():
+        modules_bound = set()  # local names bound to one of the package's modules
+        for target, name, bound in _imports(module, path, sources):
+            if name is None:
+                modules_bound.add(bound)
+            elif _private(name):
+                found.append(f"{module}: from {target} import {name}")
+            parts = target.split(".")
+            for i, part in enumerate(parts[1:], 1):
+                owner = ".".join(parts[:i])
+                if _private(part) and not (module == owner or module.startswith(owner + ".")):
+                    found.append(f"{module}: imports {target}, private to {owner}")
+                    break
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules_bound
+                and _private(node.attr)
+            ):
+                found.append(f"{module}: {node.value.id}.{node.attr}")
+    assert not found, "reaching into private names:\n" + "\n".join(sorted(set(found)))

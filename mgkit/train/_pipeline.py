@@ -545,4 +545,6 @@ class Pipeline(Checkpointing):
             )
         token, what = self._last
         events = [e for e in ledger().records() if e.info is not None and e.info.get("pipeline") == token]
-        return Schedule.of_pipeline(events, self.contexts, self.microbatches, what, widget=widget)
+        return Schedule.of_pipeline(
+            events, self.contexts, self.microbatches, what, widget=widget, schedule=self.schedule_name
+        )

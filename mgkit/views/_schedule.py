@@ -22,6 +22,7 @@ from ._base import LiveView
 from ._png import Bar, draw_timeline
 
 _KIND_COLORS = {Kind.FORWARD: "#1f77b4", Kind.BACKWARD: "#ff7f0e", Kind.UPDATE: "#2ca02c"}
+_SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # how titles write a pipeline schedule
 _KIND_CHARS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.UPDATE: "U"}
 _WIDTH = 72  # columns of the text timeline
 
@@ -110,9 +111,11 @@ class Schedule(LiveView):
         microbatches: int,
         what: str,
         widget: bool | None = None,
+        schedule: str = "gpipe",
     ) -> Schedule:
         """The picture of one pipeline call from its events: ``forward``, ``backward`` and
-        ``update`` blocks (info ``stage``, ``microbatch``) and the stage transfers."""
+        ``update`` blocks (info ``stage``, ``microbatch``) and the stage transfers; ``schedule``
+        names the order the calls ran in (``gpipe`` or ``1f1b``), for the title."""
         work = [e for e in events if e.kind in _KIND_CHARS]
         hops = [e for e in events if e.kind == Kind.TRANSFER]
         t0 = min((e.start for e in work), default=0.0)
@@ -136,7 +139,8 @@ class Schedule(LiveView):
         moved = sum(e.nbytes for e in hops)
         span = max((b.end for b in blocks), default=0.0)
         title = (
-            f"mgkit pipeline schedule: {what}; {s} stage(s) x {m} microbatch(es) (GPipe), {span * 1e3:.2f} ms"
+            f"mgkit pipeline schedule: {what}; {s} stage(s) x {m} microbatch(es) "
+            f"({_SCHEDULE_NAMES.get(schedule, schedule)}), {span * 1e3:.2f} ms"
         )
         notes = [
             "bubble (stages idle between the first forward and the last backward): "
