@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from ._beat import beat
-from ._ledger import Event, execution_label, ledger
+from ._ledger import Event, Kind, execution_label, ledger
 
 _DELAY = 1.0  # seconds of work before a bar appears (progress=None)
 _REFRESH = 0.1  # seconds between bar updates
@@ -34,18 +34,18 @@ class Run:
 
     Args:
       what: what runs, e.g. ``"logreg.fit (lbfgs)"``.
-      names, devices: context names and short device names, by context index.
+      contexts: the contexts the work runs on (``Context`` values), by context index.
       samples: rows each context processes per iteration and model.
       models: models each context fits.
       total: iterations at most (the bar's length), or None when the work stops earlier.
     """
 
-    def __init__(self, what: str, names, devices, samples, models, total: int | None):
-        self.what, self.names, self.devices = what, tuple(names), tuple(devices)
+    def __init__(self, what: str, contexts, samples, models, total: int | None):
+        self.what, self.contexts = what, tuple(contexts)
         self.samples, self.models, self.total = tuple(samples), tuple(models), total
         self.label = execution_label()
         self.start = time.perf_counter()
-        self._last = {i: (self.start, 0) for i in range(len(self.names))}
+        self._last = {i: (self.start, 0) for i in range(len(self.contexts))}
         self._ends: dict[int, float] = {}  # when each context's work was seen done, once known
         self.iteration, self.loss, self.grad = 0, float("nan"), float("nan")
         self.bar: Any = None  # the progress bar ``wait`` drew, closed by ``close``
@@ -53,13 +53,13 @@ class Run:
     def begin(self, at: float, contexts=None) -> None:
         """The work of ``contexts`` (all when None) began, or went on, on the devices at ``at``
         (``time.perf_counter``): their next step is timed from there."""
-        for ctx in range(len(self.names)) if contexts is None else contexts:
+        for ctx in range(len(self.contexts)) if contexts is None else contexts:
             self._last[ctx] = (at, self._last[ctx][1])
 
     def end(self, at: float, contexts=None) -> None:
         """The work of ``contexts`` (all when None) was seen done at ``at``: their next step is
         timed to there (else to when it is recorded)."""
-        for ctx in range(len(self.names)) if contexts is None else contexts:
+        for ctx in range(len(self.contexts)) if contexts is None else contexts:
             self._ends[ctx] = at
 
     def close(self) -> None:
@@ -96,8 +96,7 @@ class Run:
         }
         if iteration >= self.iteration:
             self.iteration, self.loss, self.grad = int(iteration), info["loss"], info["grad"]
-        name, dev = self.names[ctx], self.devices[ctx]
-        return Event("step", name, name, dev, dev, 0, time.time() - seconds, seconds, self.label, info)
+        return Event.on(Kind.STEP, self.contexts[ctx], time.time() - seconds, seconds, self.label, info)
 
 
 def compile(program: Any, args: tuple) -> None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mgkit import _progress
+from mgkit import _contexts, _progress
 
 
 class Gate:
@@ -30,7 +30,7 @@ class Gate:
 
 
 def _run() -> _progress.Run:
-    return _progress.Run("test", ["dev0"], ["cpu0"], [1], [1], None)
+    return _progress.Run("test", [_contexts.resolve("dev0", "test")], [1], [1], None)
 
 
 def _waiters() -> list[threading.Thread]:

@@ -130,8 +130,7 @@ def conclude(run: _progress.Run, facts: Facts, labels, owners, where, solver, da
 def progress_run(what, targets: Targets, samples, models, spec: Spec) -> _progress.Run:
     return _progress.Run(
         f"{what} ({spec.solver})",
-        targets.names,
-        [ctx.short for ctx in targets.contexts],
+        targets.contexts,
         samples,
         models,
         spec.max_iter if spec.solver == "gd" else None,
