@@ -43,7 +43,7 @@ def beat(step: int | None = None) -> None:
     reports to its kernel (one small pipe message every 50 ms at most).
 
     Args:
-      step: the step just completed (default: one more than the last beat).
+      step: the step just completed, a whole number from 0 (default: one more than the last beat).
 
     >>> import mgkit as mg
     >>> for step in range(1, 4):
@@ -53,8 +53,8 @@ def beat(step: int | None = None) -> None:
     t = time.perf_counter()
     if step is None:
         step = b.step + 1
-    elif type(step) is not int:
-        step = whole(step, "step", "beat", lo=0, example=12, note="the step just completed")
+    elif type(step) is not int or step < 0:
+        step = whole(step, "step", "mg.beat", lo=0, example=12, note="the step just completed")
     if b.count:
         interval = t - b.last
         if interval > b.slowest:

@@ -64,3 +64,18 @@ def test_watchdog_interrupt_breaks_a_python_hang():
             while time.perf_counter() - t0 < 10:
                 time.sleep(0.01)
     assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "words"),
+    [
+        (-1, ValueError, r"mg.beat: step=-1 is out of range; step must be a whole number at least 0"),
+        (2.5, TypeError, r"mg.beat: step must be a whole number at least 0 .*got float 2.5; e.g. step=12"),
+        (True, TypeError, r"got bool True"),
+    ],
+)
+def test_a_step_is_a_whole_number_from_zero(step, error, words):
+    with pytest.raises(error, match=words):
+        mg.beat(step)
+    mg.beat(0)
+    mg.beat(np.int64(7))
