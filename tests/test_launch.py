@@ -17,7 +17,11 @@ import pytest
 
 import mgkit as mg
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    # a few launches simulate more CPU devices than a small machine has cores (tests/test_launch_plan.py)
+    pytest.mark.filterwarnings("ignore::mgkit.launching.CoresWarning"),
+]
 
 
 def _gone(pids, within: float) -> float:

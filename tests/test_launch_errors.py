@@ -59,18 +59,6 @@ CASES = [
     ("nprocs float", lambda: mg.launch(work, nprocs=1.5), TypeError, r"nprocs.*1\.5"),
     ("nprocs bool", lambda: mg.launch(work, nprocs=True), TypeError, r"nprocs"),
     (
-        "more processes than devices",
-        lambda: mg.launch(work, nprocs=9),
-        ValueError,
-        r"nprocs=9 with devices_per_process=1 needs 9 devices, but there are 8 .*use at most nprocs=8",
-    ),
-    (
-        "too many devices per process",
-        lambda: mg.launch(work, nprocs=3, devices_per_process=4),
-        ValueError,
-        r"nprocs=3 with devices_per_process=4 needs 12 devices, but there are 8",
-    ),
-    (
         "private of the wrong length",
         lambda: mg.launch(work, nprocs=2, private=[{}, {}, {}]),
         ValueError,
@@ -89,10 +77,10 @@ CASES = [
         "devices_per_process",
     ),
     (
-        "devices_per_process not dividing",
-        lambda: mg.launch(work, nprocs=2, devices_per_process=3),
+        "private empty",
+        lambda: mg.launch(work, private=[]),
         ValueError,
-        r"devices_per_process=3 does not divide the 8 devices .*use one of \[1, 2, 4, 8\]",
+        r"private=\[\] has no entries, so there is no rank to run; give one entry per rank .*or private=None",
     ),
     (
         "unpicklable global",

@@ -13,6 +13,7 @@ from ._events import rank_event as rank_event
 from ._launch import Running as Running
 from ._launch import current as current
 from ._launch import launch as launch
+from ._plan import CoresWarning as CoresWarning
 from ._result import TAIL as TAIL
 from ._result import LaunchError as LaunchError
 from ._result import LaunchResult as LaunchResult
@@ -21,6 +22,7 @@ from ._worker import add_commands as add_commands
 
 __all__ = [
     "TAIL",
+    "CoresWarning",
     "LaunchError",
     "LaunchResult",
     "RankEvent",

@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,9 @@ def _nvidia_smi_count() -> int:
 
 
 def _counts(nprocs: Any, private: Any, devices_per_process: Any) -> tuple[str, list[list[str]], int]:
+    """The platform, each rank's devices and the number of ranks. GPUs are real: a launch that
+    needs more than there are is refused. CPU devices are simulated, so any count works: a launch
+    whose ranks' devices exceed the machine's cores is warned of (``CoresWarning``), never refused."""
     dpp = whole(
         devices_per_process,
         "devices_per_process",
@@ -100,37 +104,60 @@ def _counts(nprocs: Any, private: Any, devices_per_process: Any) -> tuple[str, l
         note="devices each rank owns",
     )
     platform, pool = _pool()
-    what = (
-        "GPU(s) " + ", ".join(pool)
-        if platform == "gpu"
-        else f"{len(pool)} CPU device(s) (simulated per rank)"
-    )
-    if len(pool) % dpp:
+    if platform == "gpu" and len(pool) % dpp:
         fits = [d for d in range(1, len(pool) + 1) if len(pool) % d == 0]
         raise ValueError(
-            f"devices_per_process={dpp} does not divide the {len(pool)} devices ranks can own ({what}); "
-            f"use one of {fits}"
+            f"devices_per_process={dpp} does not divide the {len(pool)} devices ranks can own "
+            f"(GPU(s) {', '.join(pool)}); use one of {fits}"
         )
-    if private is not None and not isinstance(private, list | tuple):
-        raise TypeError(
-            f"private must be a list with one entry per rank, got {type(private).__name__} "
-            f"{_short(private)}; e.g. private=[{{'l2': 1e-3}}, {{'l2': 1e-2}}] for two ranks"
-        )
+    _check_private(private)
     if nprocs is None:
-        nprocs = len(private) if private is not None else len(pool) // dpp
+        nprocs = len(private) if private is not None else max(1, len(pool) // dpp)
     nprocs = whole(nprocs, "nprocs", "mg.launch", lo=1, example=2, note="the number of processes")
-    if nprocs * dpp > len(pool):
+    if platform == "gpu" and nprocs * dpp > len(pool):
         raise ValueError(
-            f"nprocs={nprocs} with devices_per_process={dpp} needs {nprocs * dpp} devices, but there are "
-            f"{len(pool)} ({what}); use at most nprocs={len(pool) // dpp}"
-            + ("" if platform == "gpu" else ", or mg.simulate(n) more CPU devices in the kernel first")
+            f"nprocs={nprocs} with devices_per_process={dpp} needs {nprocs * dpp} GPUs, but there are "
+            f"{len(pool)} (GPU(s) {', '.join(pool)}); use at most nprocs={len(pool) // dpp}"
         )
     if private is not None and len(private) != nprocs:
         raise ValueError(
             f"private has {len(private)} entries but there are {nprocs} ranks; give one entry per rank "
             f"(private[i] goes to rank i), or nprocs={len(private)}"
         )
+    if platform == "cpu":
+        _warn_past_cores(nprocs, dpp)
+        pool = [f"cpu{i}" for i in range(nprocs * dpp)]
     return platform, [pool[r * dpp : (r + 1) * dpp] for r in range(nprocs)], nprocs
+
+
+def _check_private(private: Any) -> None:
+    if private is not None and not isinstance(private, list | tuple):
+        raise TypeError(
+            f"private must be a list with one entry per rank, got {type(private).__name__} "
+            f"{_short(private)}; e.g. private=[{{'l2': 1e-3}}, {{'l2': 1e-2}}] for two ranks"
+        )
+    if private is not None and not private:
+        raise ValueError(
+            f"private={_short(private)} has no entries, so there is no rank to run; give one entry per "
+            "rank (private[i] goes to rank i), e.g. private=[{'l2': 1e-3}, {'l2': 1e-2}] for two ranks, "
+            "or private=None"
+        )
+
+
+class CoresWarning(UserWarning):
+    """The ranks of a launch simulate more CPU devices than the machine has cores."""
+
+
+def _warn_past_cores(nprocs: int, dpp: int) -> None:
+    cores = os.cpu_count() or 1
+    if nprocs * dpp > cores:
+        warnings.warn(
+            f"mg.launch: nprocs={nprocs} with devices_per_process={dpp} simulates {nprocs * dpp} CPU "
+            f"devices on {cores} core(s); they share the cores, so the ranks run slower than on as "
+            "many real devices (the results are the same)",
+            CoresWarning,
+            stacklevel=5,  # the caller of mg.launch
+        )
 
 
 def _short(value: Any) -> str:
