@@ -181,17 +181,38 @@ def test_stall_reports_stacks_and_steps_then_stops():
     _no_children()
 
 
-def test_timeout_stops_every_rank():
+def test_timeout_stops_every_rank_and_reports_each_with_its_step_and_stack():
     def work(rank, shared, private):
         import time
 
-        time.sleep(60)
+        import mgkit as mg
+
+        for step in range(1, 4 + rank):
+            mg.beat(step)
+
+        def nap():
+            time.sleep(60)
+
+        nap()
 
     t0 = time.perf_counter()
-    with pytest.raises(mg.LaunchError, match="ran past timeout=4 s") as info:
-        mg.launch(work, nprocs=1, timeout=4, stream=False)
-    assert info.value.kind == "timeout" and "in work" in info.value.stacks[0]
-    assert 4 <= time.perf_counter() - t0 < 4 + 2.0
+    with pytest.raises(
+        mg.LaunchError, match=r"ran past timeout=6 s and stopped rank\(s\) 0, 1 \(2 of 2"
+    ) as info:
+        mg.launch(work, nprocs=2, timeout=6, grace=1.0, stream=False)
+    err = info.value
+    assert err.kind == "timeout" and err.rank is None
+    assert 6 <= time.perf_counter() - t0 < 6 + 3.0
+    assert [r.state for r in err.ranks] == ["terminated", "terminated"]
+    for rank, info_ in enumerate(err.ranks):
+        assert info_.reason.startswith(
+            f"stopped at timeout=6 s while running, last completed step {3 + rank} ("
+        )
+        line = f"  rank {rank} (pid {info_.pid}, {','.join(info_.devices)}): stopped at timeout=6 s"
+        assert line + " while running" in str(err)
+        assert "in nap" in err.stacks[rank] and "in work" in err.stacks[rank]
+    assert "last completed steps: rank 0: step 3, rank 1: step 4" in str(err)
+    _gone([r.pid for r in err.ranks], within=1.0)
     _no_children()
 
 

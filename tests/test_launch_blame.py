@@ -10,6 +10,7 @@ from mgkit.launching import RankInfo
 from mgkit.launching._blame import Judge
 from mgkit.launching._child import EXIT_LIFELINE
 from mgkit.launching._ranks import RankState
+from mgkit.launching._result import launch_error
 from mgkit.launching._watch import Silence
 from mgkit.launching._wire import Beat, Error, Line, Ready, Result, Started, Unsendable
 
@@ -22,6 +23,12 @@ class Exit(NamedTuple):
     """A rank's exit in a recorded sequence."""
 
     code: int
+
+
+class Timeout(NamedTuple):
+    """The launch's clock ran past ``timeout=seconds`` (in a recorded sequence, with rank None)."""
+
+    seconds: float
 
 
 class Recorder:
@@ -49,7 +56,8 @@ class Recorder:
 
 
 def judged(nprocs, sequence, distributed=False, dead_peers=()):
-    """The judge after hearing ``sequence``: (rank, message, line or Exit) in order, one a second."""
+    """The judge after hearing ``sequence``: (rank, message, line, Exit or Timeout) in order, one a
+    second."""
     recorder = Recorder(dead_peers)
     ranks = [RankState(RankInfo(r, 100 + r, (f"cpu{r}",)), spawned=0.0) for r in range(nprocs)]
     judge = Judge(ranks, recorder, work, collectives=300 if distributed else None)
@@ -57,6 +65,8 @@ def judged(nprocs, sequence, distributed=False, dead_peers=()):
     for now, (rank, what) in enumerate(sequence, start=1):
         if isinstance(what, Exit):
             judge.exited(rank, what.code, float(now))
+        elif isinstance(what, Timeout):
+            judge.timed_out(what.seconds, float(now))
         else:
             judge.hear(rank, what, float(now))
     return judge, recorder
@@ -236,3 +246,93 @@ def test_a_stall_only_warned_of_ends_with_the_next_heartbeat():
     assert "Python stacks of rank 1:\nstack of rank 1" in report
     judge.hear(0, Beat(3, 0.0, 0.1), 40.0)
     assert states(judge) == ["running", "running"] and not judge.ranks[0].stalled
+
+
+# -- the launch's timeout ---------------------------------------------------------------------------
+
+
+def test_every_rank_stopped_at_the_timeout_is_reported_with_what_it_was_doing():
+    judge, recorder = judged(
+        3,
+        [
+            *running(0, 1),
+            (2, Started()),
+            (0, Beat(5, 0.0, 0.1)),
+            (1, Beat(2, 0.0, 0.1)),
+            (None, Timeout(3)),  # at 8 s: rank 0 beat 2 s ago, rank 2 is still importing JAX
+            (2, Ready(("cpu2",), 0.5)),  # said just before its SIGTERM, heard after it
+            (1, Beat(3, 0.0, 0.1)),
+            (0, Exit(-signal.SIGTERM)),
+            (1, raised("RuntimeError", "Connection reset by peer")),  # rank 0, the coordinator, is gone
+            (1, Exit(1)),
+            (2, Exit(-signal.SIGTERM)),
+        ],
+        distributed=True,
+    )
+    failure = judge.ending()
+    assert judge.root is None and failure.kind == "timeout"
+    assert states(judge) == ["terminated", "terminated", "terminated"]
+    assert [r.info.reason for r in judge.ranks] == [
+        "stopped at timeout=3 s while running, last completed step 5 (2.0 s ago)",
+        "stopped at timeout=3 s while running, last completed step 2 (1.0 s ago)",
+        "stopped at timeout=3 s while still starting JAX, 8.0 s after it was started",
+    ]
+    assert (
+        judge.head()
+        == failure.reason
+        == (
+            "mg.launch ran past timeout=3 s and stopped rank(s) 0, 1, 2 (3 of 3; none had finished). "
+            "Each is listed below with what it was doing, its last step and its stack: "
+            "raise timeout=, or find the slow rank there."
+        )
+    )
+    assert recorder.asked == [[0, 1, 2]] and failure.stacks == {r: f"stack of rank {r}" for r in range(3)}
+    assert recorder.events == [(0, "ready"), (1, "ready"), (2, "ready")]  # no rank failed
+    text = str(launch_error(judge.head(), failure, [r.info for r in judge.ranks], None, [None] * 3))
+    assert "  rank 1 (pid 101, cpu1): stopped at timeout=3 s while running, last completed step 2" in text
+    assert "last completed steps: rank 0: step 5, rank 1: step 3, rank 2: no step" in text
+    assert "Python stacks of rank 2:\nstack of rank 2" in text
+
+
+def test_a_rank_that_finished_before_the_timeout_keeps_its_value():
+    judge, recorder = judged(
+        2,
+        [
+            *running(0, 1),
+            (0, Result(b"value")),
+            (0, Exit(0)),
+            (None, Timeout(2.5)),
+            (1, Exit(-signal.SIGKILL)),  # it ignored SIGTERM: SIGKILL after the grace
+        ],
+    )
+    failure = judge.ending()
+    assert states(judge) == ["done", "terminated"] and recorder.asked == [[1]]
+    assert failure.reason.startswith(
+        "mg.launch ran past timeout=2.5 s and stopped rank(s) 1 (1 of 2; rank(s) 0 finished)"
+    )
+    assert judge.ranks[1].info.reason.startswith(
+        "stopped at timeout=2.5 s while running, no step completed yet"
+    )
+
+
+def test_a_stall_only_warned_of_is_stopped_at_the_timeout_as_stalled():
+    judge, _ = judged(2, [*running(0, 1), (0, Beat(4, 0.0, 0.1))])
+    judge.stalled([Silence(0, 12.0, 10.0)], warn=True)
+    judge.timed_out(60, 20.0)
+    judge.hear(0, Beat(5, 0.0, 0.1), 20.5)  # a heartbeat during the grace changes nothing
+    judge.exited(0, -signal.SIGTERM, 21.0)
+    assert states(judge) == ["terminated", "terminated"] and judge.root is None
+    assert judge.ranks[0].info.reason.startswith(
+        "stopped at timeout=60 s while stalled, last completed step 4"
+    )
+
+
+def test_a_rank_stopped_after_the_root_failed_stays_stopped_whatever_it_says_last():
+    judge, _ = judged(
+        2, [(0, Started()), (1, Started()), (0, raised("ValueError", "x", "start")), (0, Exit(1))]
+    )
+    judge.terminating(1, "terminated after rank 0 failed")
+    judge.hear(1, Ready(("cpu1",), 0.5), 9.0)  # ready just as it was stopped
+    judge.exited(1, -signal.SIGTERM, 10.0)
+    assert states(judge) == ["failed", "terminated"]
+    assert judge.ranks[1].info.reason == "terminated after rank 0 failed"

@@ -68,7 +68,8 @@ class Judge:
         self.fn = fn
         self.collectives = collectives
         self.root: RankState | None = None  # the rank whose failure ends the launch
-        self.failure: Failure | None = None  # what it did
+        self.failure: Failure | None = None  # what it did (or the timeout, with root None)
+        self.timeout: float | None = None  # the launch's timeout, once it ran past it
 
     def hear(self, rank: int, what: Message | Line, now: float) -> None:
         """Takes in a message or output line of ``rank``, heard at ``now``."""
@@ -88,8 +89,8 @@ class Judge:
             info.state = "done"
             self.supervisor.record(r, "done", len(r.result), info.seconds)
             return
-        if info.state == "terminated" or (info.state == "stalled" and r is not self.root):
-            return
+        if (r.stopping or info.state == "stalled") and r is not self.root:
+            return  # stopped by mgkit, or stalled: its own state and reason stay
         failure = cause(r, code, self.fn)
         info.reason = failure.reason
         self.supervisor.record(r, "failed", 0, info.seconds)
@@ -173,9 +174,13 @@ class Judge:
         return None
 
     def ending(self) -> Failure:
-        """The root cause's failure as the launch ends with it. A rank whose collective timed out
-        is rarely the culprit: the live ranks' stacks, taken now, show which one did not join it."""
+        """The root cause's failure (or the timeout's) as the launch ends with it. A rank whose
+        collective timed out is rarely the culprit: the live ranks' stacks, taken now, show which
+        one did not join it."""
         failure = self.failure
+        if self.timeout is not None:
+            self.failure = failure._replace(reason=self._timeout_reason())
+            return self.failure
         if failure.kind != "raised" or not _GLOO_TIMEOUT.search(failure.reason):
             return failure
         limit = "" if self.collectives is None else f" ({self.collectives} s)"
@@ -187,17 +192,47 @@ class Judge:
         )
         return self.failure
 
+    def timed_out(self, timeout: float, now: float) -> None:
+        """The launch ran past ``timeout`` seconds at ``now``: every rank still running is stopped
+        (``terminating``), each with what it was doing then and its stack, taken now. The ranks
+        are stopped next; ``ending`` then names each one stopped, and there is no root cause."""
+        live = [r for r in self.ranks if not r.exited]
+        stacks = self.supervisor.stacks([r.rank for r in live])
+        for r in live:
+            self.terminating(r.rank, f"stopped at timeout={timeout:g} s while {r.doing(now)}", force=True)
+        self.timeout = timeout
+        self.failure = Failure("timeout", "", stacks=stacks)
+
+    def _timeout_reason(self) -> str:
+        stopped = [r.rank for r in self.ranks if r.stopping and r.result is None]
+        done = [r.rank for r in self.ranks if r.result is not None]
+        names = ", ".join(str(rank) for rank in stopped)
+        return (
+            f"mg.launch ran past timeout={self.timeout:g} s and stopped rank(s) {names} "
+            f"({len(stopped)} of {len(self.ranks)}; "
+            + (f"rank(s) {', '.join(map(str, done))} finished" if done else "none had finished")
+            + "). Each is listed below with what it was doing, its last step and its stack: "
+            "raise timeout=, or find the slow rank there."
+        )
+
     def head(self) -> str:
-        """The first line of the error: the root cause and what it did."""
+        """The first line of the error: the root cause and what it did, or the timeout and the
+        ranks it stopped."""
+        if self.root is None:
+            return self.failure.reason
         info = self.root.info
         return f"rank {self.root.rank} (pid {info.pid}) {self.failure.reason}"
 
-    def terminating(self, rank: int, reason: str) -> None:
-        """``rank`` is being stopped for ``reason`` (a rank that failed or stalled keeps its own)."""
-        info = self.ranks[rank].info
-        if info.state not in ("failed", "stalled"):
-            info.state = "terminated"
-            info.reason = reason
+    def terminating(self, rank: int, reason: str, force: bool = False) -> None:
+        """``rank`` is being stopped for ``reason``; a rank already being stopped, or that failed or
+        stalled, keeps its own reason unless ``force``."""
+        r = self.ranks[rank]
+        if r.stopping and not force:
+            return
+        r.stopping = True
+        if force or r.info.state not in ("failed", "stalled"):
+            r.info.state = "terminated"
+            r.info.reason = reason
 
 
 def cause(r: RankState, code: int, fn: Any) -> Failure:

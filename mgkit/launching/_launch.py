@@ -24,7 +24,7 @@ from ._blame import Judge
 from ._events import launch_event
 from ._processes import KILL_WAIT, Heard, Process, ask_stacks, kill_all, spawn, stacks_path
 from ._ranks import RankState
-from ._result import Failure, LaunchResult, RankInfo, launch_error, load_value
+from ._result import LaunchResult, RankInfo, launch_error, load_value
 from ._watch import Silence, silences
 from ._wire import Line
 
@@ -124,17 +124,11 @@ class _Group:
             print(report, file=sys.stderr, flush=True)
 
     def _timeout(self) -> None:
-        stacks = self.stacks([r.rank for r in self.states if not r.exited])
-        self.stop_all(f"terminated when the launch ran past timeout={self.plan.timeout:g} s")
-        running = ", ".join(
-            f"rank {r.rank} ({r.info.status()})" for r in self.states if r.info.state == "terminated"
-        )
-        head = (
-            f"mg.launch ran past timeout={self.plan.timeout:g} s; still running were {running}. "
-            "Raise timeout=, or find the slow rank in the stacks below."
-        )
-        failure = Failure("timeout", head, stacks=stacks)
-        raise launch_error(head, failure, self._infos(), None, self._results())
+        """Every rank still running is stopped and reported with what it was doing (the judge's)."""
+        self.judge.timed_out(self.plan.timeout, time.perf_counter())
+        self.stop_all(f"stopped at timeout={self.plan.timeout:g} s")
+        failure = self.judge.ending()
+        raise launch_error(self.judge.head(), failure, self._infos(), None, self._results())
 
     # ------------------------------------------------------------------ the judge's questions
 

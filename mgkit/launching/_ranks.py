@@ -2,7 +2,8 @@
 
 ``RankState.hear`` takes one message or output line of a rank and updates what is known: that its
 stack handler is in place, when it became ready, its heartbeats, and its last word (a value, an
-error, or a value that cannot be sent). ``RankState.info`` is the rank's public ``RankInfo``.
+error, or a value that cannot be sent). ``RankState.info`` is the rank's public ``RankInfo``. Once
+mgkit stops a rank (``stopping``), a late ``Ready`` or heartbeat no longer changes its state.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class RankState:
         self.first_step: float | None = None  # from ready to its first heartbeat (compiling)
         self.stalled = False  # silent past its limit, and not heard from since
         self.exited = False  # its exit was seen and classified
+        self.stopping = False  # mgkit is stopping it: what it says from now on keeps its state
         self.result: bytes | None = None  # its pickled value
         self.error: Error | None = None  # what it raised
         self.unsendable: Unsendable | None = None  # the value it could not send
@@ -50,14 +52,15 @@ class RankState:
                 self.ready_at = now
                 info.devices = tuple(devices)
                 info.ready_seconds = now - self.spawned
-                info.state = "running"
+                if not self.stopping:
+                    info.state = "running"
             case Beat(step, wall, slowest):
                 if self.beats == 0 and self.ready_at is not None:
                     self.first_step = now - self.ready_at
                 self.beats += 1
                 self.last_beat, self.slowest = now, slowest
                 info.step, info.beat_at = step, wall
-                if self.stalled:
+                if self.stalled and not self.stopping:
                     self.stalled = False
                     info.state = "running"
             case Result(value):
@@ -66,6 +69,17 @@ class RankState:
                 self.error = what
             case Unsendable():
                 self.unsendable = what
+
+    def doing(self, now: float) -> str:
+        """What the rank is doing at ``now``, in words: ``running, last completed step 5 (0.2 s ago)``."""
+        info = self.info
+        if self.ready_at is None:
+            where = "its interpreter" if not self.started else "JAX"
+            return f"still starting {where}, {now - self.spawned:.1f} s after it was started"
+        state = "stalled" if self.stalled else "running"
+        if info.step is None or self.last_beat is None:
+            return f"{state}, no step completed yet ({now - self.ready_at:.1f} s after it was ready)"
+        return f"{state}, last completed step {info.step} ({now - self.last_beat:.1f} s ago)"
 
     def said_nothing(self) -> bool:
         """It sent neither a value nor an error (a death without a word: killed, or crashed)."""
