@@ -10,7 +10,7 @@ import pickle
 import re
 import types
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import cloudpickle
 
@@ -78,24 +78,44 @@ def _culprit(value: Any, where: str, seen: set[int], depth: int = 0) -> tuple[st
     return where, value, exc
 
 
+class Unpicklable(NamedTuple):
+    """The part of a value that cannot be pickled."""
+
+    part: str  # the part, named from the value's own name: "the value['lock']"
+    kind: str  # its type: "_thread.lock"
+    error: Exception  # pickle's error for it
+
+
+def unpicklable(value: Any, where: str) -> Unpicklable | None:
+    """The innermost named part of ``value`` (called ``where``) that cannot be pickled with
+    cloudpickle; None when all of it can be."""
+    error = _fails(value)
+    if error is None:
+        return None
+    found = _culprit(value, where, set())
+    part, bad, cause = found if found is not None else (where, value, error)
+    return Unpicklable(part, _kind(bad), cause)
+
+
 def dumps(value: Any, where: str, fix: str) -> bytes:
     """cloudpickle's bytes for ``value``; a SendError naming the part that cannot be sent."""
     try:
         return _dumps(value)
     except Exception as exc:
-        found = _culprit(value, where, set())
-        name, bad, cause = found if found is not None else (where, value, exc)
+        bad = unpicklable(value, where) or Unpicklable(where, _kind(value), exc)  # it failed only once
         raise SendError(
-            f"mg.launch cannot send {name} (a {_kind(bad)}) to the ranks: {type(cause).__name__}: {cause}. "
-            f"Each rank is a fresh process, so everything it needs is pickled (with cloudpickle); "
-            f"locks, open files, generators, sockets and live devices' handles cannot be. {fix}"
+            f"mg.launch cannot send {bad.part} (a {bad.kind}) to the ranks: {type(bad.error).__name__}: "
+            f"{bad.error}. Each rank is a fresh process, so everything it needs is pickled (with "
+            f"cloudpickle); locks, open files, generators, sockets and live devices' handles cannot be. {fix}"
         ) from exc
 
 
-def check_signature(fn: Any) -> None:
+def check_signature(fn: Any, who: str = "mg.launch") -> None:
+    """A TypeError unless ``fn`` is a function that takes ``(rank, shared, private)``; ``who``
+    (``mg.launch``, ``mgkit worker``) is named as the caller."""
     if not callable(fn):
         raise TypeError(
-            f"mg.launch needs a function to run in every rank, got {_kind(fn)} {fn!r}; "
+            f"{who} needs a function to run in every rank, got {_kind(fn)} {fn!r}; "
             "pass e.g. `def work(rank, shared, private): ...` and then mg.launch(work, nprocs=2)"
         )
     try:
@@ -107,7 +127,7 @@ def check_signature(fn: Any) -> None:
     except TypeError:
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(
-            f"mg.launch calls fn(rank, shared, private) in every rank, but {name}{sig} does not accept "
+            f"{who} calls fn(rank, shared, private) in every rank, but {name}{sig} does not accept "
             "three positional arguments; define it as `def work(rank, shared, private): ...` "
             "(ignore the ones you do not need)"
         ) from None

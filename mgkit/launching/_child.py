@@ -153,14 +153,10 @@ def main(argv: list[str]) -> None:
         _finish(1)
     try:
         blob = cloudpickle.dumps(value)
-    except Exception:  # noqa: BLE001 - reported by name with the rank
-        part, cause = "the value", "it cannot be pickled"
-        try:
-            _check.dumps(value, "the value", "")
-        except _check.SendError as exc:
-            part = str(exc.args[0]).split(" to the ranks: ")[0].removeprefix("mg.launch cannot send ")
-            cause = str(exc.__cause__ or exc)
-        channel.send(_wire.Unsendable(type(value).__qualname__, part, cause))
+    except Exception as exc:  # noqa: BLE001 - reported by name with the rank
+        bad = _check.unpicklable(value, "the value")
+        part = "the value" if bad is None else f"{bad.part} (a {bad.kind})"
+        channel.send(_wire.Unsendable(type(value).__qualname__, part, str(exc if bad is None else bad.error)))
         _finish(1)
     channel.send_result(blob)
     if header["distributed"]:
