@@ -242,12 +242,15 @@ def launch(
         of the devices ranks can own).
       shared: sent once to every rank (pickled once).
       private: one entry per rank; ``private[r]`` goes to rank ``r``.
-      devices_per_process: devices each rank owns.
+      devices_per_process: devices each rank owns. GPUs are real: a launch needing more than
+        there are is refused. CPU devices are simulated, so any count works; one past the
+        machine's cores gets a ``CoresWarning`` (the ranks share the cores).
       distributed: every rank calls ``jax.distributed.initialize`` (the kernel never does), with
         the coordinator on 127.0.0.1 and short timeouts; ``jax.devices()`` is then every rank's
         devices, and ``mg.use_contexts`` names them in global order (dev0, dev1, ...).
-      timeout: seconds for the whole launch (None: no limit); past it, the stacks of every rank
-        are reported and the ranks stopped.
+      timeout: seconds for the whole launch (None: no limit); past it, every rank still running
+        is stopped and the ``LaunchError`` (``kind`` ``timeout``) lists each one with what it was
+        doing (its last completed step) and its stack.
       grace: seconds between SIGTERM and SIGKILL when ranks are stopped.
       env: extra environment variables for every rank.
       coordinator: ``'host:port'`` or a port for jax.distributed's coordinator (default: a free
