@@ -1,6 +1,7 @@
 """Launching: ``mg.launch`` runs a function in one fresh process per device (or group of
 devices), with ``jax.distributed`` when asked, and supervises them; ``mg.beat`` and
-``mg.watchdog`` turn a silent hang into a report with every stack.
+``mg.watchdog`` turn a silent hang into a report with every stack. ``CoresWarning``: a launch
+simulates more CPU devices than the machine has cores.
 
 For the views: ``current()`` is the launch running now (``Running``: its title and each rank's
 ``RankInfo``, which keeps its last ``TAIL`` output lines), and ``rank_event`` reads a finished
