@@ -490,12 +490,15 @@ def budget(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-def run_part(setup: Setup, part: Part, title: str, seconds: float) -> Outcome:
-    """Runs one part within ``seconds``; the rows it measured survive its exception, its budget
-    running out and Ctrl-C (the outcome's error then says which)."""
+def run_part(setup: Setup, part: Part, step: str, seconds: float) -> Outcome:
+    """Runs one part within ``seconds``, announcing it as ``step`` (``[3/11]``); the rows it
+    measured survive its exception, its budget running out and Ctrl-C (the outcome's error
+    then says which)."""
     rows: list[Row] = []
+    title = part.title.format(gpu=setup.gpu, host=setup.host)
     t0 = time.perf_counter()
     try:
+        print(f"{step} {title} ...", flush=True)
         with budget(seconds):
             part.run(setup, rows)
         error = None
@@ -503,7 +506,9 @@ def run_part(setup: Setup, part: Part, title: str, seconds: float) -> Outcome:
         error = INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the suite goes on and reports it
         error = f"{type(e).__name__}: {e}"
-    return Outcome(title, rows, time.perf_counter() - t0, error)
+    done = Outcome(title, rows, time.perf_counter() - t0, error)
+    print(f"{step} {title} ... {done.seconds:.1f} s" + (f": {error}" if error else ""), flush=True)
+    return done
 
 
 def run_parts(setup: Setup, parts: list[Part]) -> tuple[list[Outcome], bool]:
@@ -513,14 +518,9 @@ def run_parts(setup: Setup, parts: list[Part]) -> tuple[list[Outcome], bool]:
     start = time.perf_counter()
     try:
         for i, part in enumerate(parts, 1):
-            title = part.title.format(gpu=setup.gpu, host=setup.host)
-            print(f"[{i}/{len(parts)}] {title} ...", flush=True)
             left = TOTAL_SECONDS - (time.perf_counter() - start)
-            done = run_part(setup, part, title, min(part.budget, left))
-            outcomes.append(done)
-            error = f": {done.error}" if done.error else ""
-            print(f"[{i}/{len(parts)}] {title} ... {done.seconds:.1f} s{error}", flush=True)
-            if done.error == INTERRUPTED:
+            outcomes.append(run_part(setup, part, f"[{i}/{len(parts)}]", min(part.budget, left)))
+            if outcomes[-1].error == INTERRUPTED:
                 return outcomes, True
             mg.ledger().clear()
     except KeyboardInterrupt:  # between two parts

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import psutil
 import pytest
@@ -98,29 +97,22 @@ class Run:
         return alive
 
 
-class DryRun(NamedTuple):
-    """One whole dry run, shared by the tests that read it."""
-
-    rc: int  # its exit status
-    run: Run  # the process, its output and descendants
-    text: str  # the results file afterwards
-    seconds: float  # its wall time
-
-
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> DryRun:
-    out = tmp_path_factory.mktemp("suite") / "RESULTS.md"
+@pytest.mark.slow
+def test_dry_run_appends_a_table_for_every_part_quickly(tmp_path):
+    """One test, so that the whole dry run happens once even with the tests spread over workers."""
+    out = tmp_path / "RESULTS.md"
     out.write_text("# Figures\n")
     t0 = time.perf_counter()
     run = Run("--dry-run", "--out", str(out))
     rc = run.finish(timeout=DRY_RUN_LIMIT + 60)
-    return DryRun(rc, run, out.read_text(), time.perf_counter() - t0)
-
-
-@pytest.mark.slow
-def test_dry_run_appends_a_table_for_every_part(dry_run):
-    text = dry_run.text
-    assert dry_run.rc == 0, dry_run.run.output
+    seconds = time.perf_counter() - t0
+    assert rc == 0, run.output
+    assert not run.leftovers()
+    for i, title in enumerate(TITLES, 1):
+        progress = rf"^\[{i}/{len(TITLES)}\] {re.escape(title)} \.\.\. \d+\.\d s$"
+        assert re.search(progress, run.output, re.M), run.output
+    assert seconds < DRY_RUN_LIMIT, f"the dry run took {seconds:.0f} s"
+    text = out.read_text()
     assert text.startswith("# Figures\n"), "the section is appended, the file kept"
     assert len(HEADING.findall(text)) == 1, text[:400]
     assert "--dry-run" in text and "Dry run: CPU devices stand for the GPU" in text
@@ -128,17 +120,6 @@ def test_dry_run_appends_a_table_for_every_part(dry_run):
         block = re.search(rf"^### {re.escape(title)} \(\d+\.\d s\)\n\n{TABLE}", text, re.M)
         assert block, f"no table for {title!r} in:\n{text}"
     assert "did not finish" not in text and "(not run)" not in text
-
-
-@pytest.mark.slow
-def test_dry_run_prints_progress_and_is_quick(dry_run):
-    run = dry_run.run
-    for i, title in enumerate(TITLES, 1):
-        assert re.search(rf"^\[{i}/{len(TITLES)}\] {re.escape(title)} \.\.\. \d+\.\d s$", run.output, re.M), (
-            run.output
-        )
-    assert dry_run.seconds < DRY_RUN_LIMIT, f"the dry run took {dry_run.seconds:.0f} s"
-    assert not run.leftovers()
 
 
 @pytest.mark.slow
