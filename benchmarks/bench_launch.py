@@ -45,16 +45,23 @@ from mgkit.launching import _wire
 BEAT_GOAL = 0.01  # of a 1 ms step
 
 
-def _env() -> dict[str, str]:
+def _env(platforms: str | None = "cpu") -> dict[str, str]:
+    """This process's environment without mgkit's and XLA's settings, JAX held to ``platforms``
+    (None: the platforms JAX finds, its GPU memory taken as needed, as mg.launch's ranks do)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
-    env["JAX_PLATFORMS"] = "cpu"
+    if platforms:
+        env["JAX_PLATFORMS"] = platforms
+    else:  # the launching process's own JAX may hold most of the GPU's memory
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return env
 
 
-def _peer(n: int) -> float:
+def peer_startup(n: int, platforms: str | None = "cpu") -> float:
+    """Seconds to start ``n`` bare ``import jax; jax.devices()`` processes together and see them end."""
     t0 = time.perf_counter()
     procs = [
-        subprocess.Popen([sys.executable, "-c", "import jax; jax.devices()"], env=_env()) for _ in range(n)
+        subprocess.Popen([sys.executable, "-c", "import jax; jax.devices()"], env=_env(platforms))
+        for _ in range(n)
     ]
     for p in procs:
         p.wait()
@@ -70,13 +77,13 @@ def startup(n: int, repeats: int) -> list[list[str]]:
     peers, plain, dist = [], [], []
     for i in range(repeats):  # ABBA: the peer first, then last, so drift hits both alike
         if i % 2 == 0:
-            peers.append(_peer(n))
+            peers.append(peer_startup(n))
         for distributed, out in ((False, plain), (True, dist))[:: 1 if i % 2 == 0 else -1]:
             t0 = time.perf_counter()
             res = mg.launch(_noop, nprocs=n, distributed=distributed, stream=False)
             out.append((max(r.ready_seconds for r in res.ranks), time.perf_counter() - t0))
         if i % 2 == 1:
-            peers.append(_peer(n))
+            peers.append(peer_startup(n))
     peer = median(peers)
     rows.append([f"bare JAX x{n} (peer)", f"{peer:.2f}", f"{peer:.2f}", "1.00", ""])
     for name, runs in (("mg.launch", plain), ("mg.launch distributed", dist)):

@@ -310,13 +310,13 @@ def _stage1(layers, h):
     return _mlp(layers, h)
 
 
-def bench_pipeline(args, ctxs, devices, rows):
+def bench_pipeline(args, ctxs, devices, rows, width=1024, batch=1024):
     rng = np.random.default_rng(1)
     X = rng.normal(size=(rows, 784)).astype(np.float32)
     y = rng.integers(0, 10, size=rows).astype(np.int32)
-    full = _init([784, 1024, 1024, 1024, 10], 2)
+    full = _init([784, width, width, width, 10], 2)
     s0, s1 = full[:2], full[2:]
-    m, batch = 4, 1024
+    m = 4
     opt = optax.sgd(1e-3)
     pipes = {
         remat: mg.Pipeline(
@@ -362,19 +362,19 @@ def bench_pipeline(args, ctxs, devices, rows):
     return times, kept
 
 
-def bench_bubble(args, ctxs, rows):
+def bench_bubble(args, ctxs, rows, width=1024, batch=1024, ms=(1, 2, 4, 8)):
     rng = np.random.default_rng(4)
     X = rng.normal(size=(rows, 784)).astype(np.float32)
     y = rng.integers(0, 10, size=rows).astype(np.int32)
-    full = _init([784, 1024, 1024, 1024, 10], 5)
+    full = _init([784, width, width, width, 10], 5)
     out = []
-    for m in (1, 2, 4, 8):
+    for m in ms:
         pipe = mg.Pipeline(
             [(ctxs[0], _mlp_hidden, full[:2]), (ctxs[1], _stage1, full[2:])], loss=_xent, microbatches=m
         )
         bubbles = []
         for s in range(args.bubble_steps):
-            pipe.fit((X[:1024], y[:1024]), optax.sgd(1e-3), steps=1, batch_size=1024, progress=False)
+            pipe.fit((X[:batch], y[:batch]), optax.sgd(1e-3), steps=1, batch_size=batch, progress=False)
             if s >= 1:  # the first step compiles
                 bubbles.append(pipe.schedule(widget=False).bubble)
         out.append((m, median(bubbles), 1 / (m + 1)))

@@ -23,7 +23,7 @@ import mgkit as mg
 lr = mg.logreg
 
 
-def _copy_bandwidth(device: jax.Device, gib: float = 1.0) -> float:
+def copy_bandwidth(device: jax.Device, gib: float = 1.0) -> float:
     """GB/s of a device-to-device copy, counting bytes read and written."""
     x = jax.device_put(jnp.zeros(int(gib * 2**30) // 4, jnp.float32), device) + 1.0
     copy = jax.jit(lambda a: a * 1.0)
@@ -36,7 +36,7 @@ def _copy_bandwidth(device: jax.Device, gib: float = 1.0) -> float:
     return 2 * x.nbytes / np.median(times) / 1e9
 
 
-def _median_seconds(call, repeats: int) -> float:
+def median_seconds(call, repeats: int) -> float:
     call()
     times = []
     for _ in range(repeats):
@@ -58,7 +58,7 @@ def main() -> None:
     print(mg.devices())
     mg.use_contexts(f"dev0->{gpus[0]};host0->cpu0")
     device = mg.device_of("dev0")
-    bw = _copy_bandwidth(device)
+    bw = copy_bandwidth(device)
     print(f"\ndevice-to-device copy on {device.device_kind}: {bw:.0f} GB/s (read + write)\n")
 
     n, d = args.rows, args.features
@@ -81,12 +81,12 @@ def main() -> None:
             return lr.fit(Xd, yd, solver=solver, contexts=["dev0"], progress=False)
 
         m = fit()
-        seconds = _median_seconds(fit, args.repeats)
+        seconds = median_seconds(fit, args.repeats)
         its = int(m.info.iterations)
         obj = lr.objective(m, X, y, l2)
         read = passes * X.nbytes * its  # the solver reads X about `passes` times per iteration
         rows.append((solver, seconds, its, obj, n * its / seconds, read / seconds / 1e9))
-        host = _median_seconds(
+        host = median_seconds(
             lambda solver=solver: lr.fit(X, y, solver=solver, contexts=["dev0"], progress=False), 5
         )
         rows[-1] += (host,)
@@ -109,7 +109,7 @@ def main() -> None:
     def sk_loop():
         return [LogisticRegression(C=C, max_iter=1000).fit(Xi, yi) for Xi, yi in seeds]
 
-    sk_s = _median_seconds(sk_loop, 7)
+    sk_s = median_seconds(sk_loop, 7)
     sk_models = sk_loop()
     mg.use_contexts(";".join(f"m{i}->{gpus[0]}" for i in range(8)) + ";host0->cpu0", verbose=False)
     placed = {f"m{i}": mg.put(s, f"m{i}") for i, s in enumerate(seeds)}
@@ -120,7 +120,7 @@ def main() -> None:
         def call(solver=solver):
             return lr.fit_per_device(placed, l2=0.01, solver=solver, progress=False)
 
-        per = _median_seconds(call, 10)
+        per = median_seconds(call, 10)
         models = call()
         gap = max(
             lr.objective(models[f"m{i}"], Xi, yi, 0.01)
