@@ -37,7 +37,7 @@ from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import MissingInputError, check_loss_on, device_context
 from ._feed import Feed
 from ._history import History
-from ._loop import Bar, Interrupts, StepEvents, Stop, conclude, not_finite, run_steps
+from ._loop import Bar, Interrupts, StepEvents, Stop, conclude, not_finite, run_steps, warn_skipped
 from ._member import EnsembleResult, Member, MemberError, MemberResult
 from ._step import copied, spmd_step
 
@@ -305,6 +305,8 @@ class Ensemble:
                 conclude(
                     f"{where}: member {name!r}", Stop.DATA, len(f.history), f.total, f"step {f.runner.step}"
                 )
+            if f.runner.member.on_nan == "skip":
+                warn_skipped(f"{where}: member {f.runner.name!r}", f.history)
         failed = [f.error for f in fits if f.error is not None]
         if failed:
             rest = (

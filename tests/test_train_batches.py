@@ -1,0 +1,121 @@
+"""The batches of a fit: data that gives none, steps that all skip. The Trainer throughout;
+the Ensemble and Pipeline where the skeleton they share warns."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mgkit as mg
+
+
+def _batch(n, d=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    return {"x": x, "y": (x @ np.arange(1.0, d + 1.0)).astype(np.float32)}
+
+
+def _loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+
+
+def _params(d=3):
+    return {"w": jnp.asarray(np.linspace(-0.5, 0.5, d), jnp.float32), "b": jnp.asarray(0.1, jnp.float32)}
+
+
+def _trainer(**kw):
+    return mg.Trainer(kw.pop("loss_fn", _loss), optax.sgd(0.1), kw.pop("params", _params()), **kw)
+
+
+def _nan_loss(p, b):
+    return _loss(p, b) * jnp.nan
+
+
+# -- data that gives no batch --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [None, 3])
+def test_an_empty_iterable_warns_that_no_batch_came(steps):
+    tr = _trainer()
+    with pytest.warns(mg.train.DataRanOut, match=r"no batch came from the data, so nothing trained"):
+        hist = tr.fit([], steps=steps, progress=False)
+    assert len(hist) == 0 and hist.stopped == "data ran out" and tr.step == 0
+
+
+def test_a_generator_used_up_by_an_earlier_fit_is_named():
+    tr = _trainer()
+    gen = (_batch(16, seed=i) for i in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first fit ends with its data: no word
+        tr.fit(gen, progress=False)
+    assert tr.step == 3
+    with pytest.warns(mg.train.DataRanOut, match=r"a generator \(an iterator\) that an earlier fit used up"):
+        hist = tr.fit(gen, progress=False)
+    assert len(hist) == 0 and tr.step == 3
+
+
+def test_an_ensemble_member_and_a_pipeline_with_no_batch_warn():
+    ens = mg.Ensemble(
+        {
+            "dev0": mg.Member(_loss, optax.sgd(0.1), _params(), data=[_batch(8)] * 2, name="some"),
+            "dev1": mg.Member(_loss, optax.sgd(0.1), _params(), data=[], name="none"),
+        }
+    )
+    with pytest.warns(mg.train.DataRanOut, match=r"member 'none': no batch came from the data"):
+        res = ens.fit(steps=2, progress=False)
+    assert res["none"].step == 0 and res["some"].step == 2
+    pipe = mg.Pipeline(
+        [
+            ("dev0", lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}),
+            ("dev1", lambda p, h: h @ p, jnp.ones(2)),
+        ],
+        loss=lambda out, y: jnp.mean((out - y) ** 2),
+        optimizer=optax.sgd(0.1),
+    )
+    with pytest.warns(mg.train.DataRanOut, match=r"Pipeline.fit: no batch came from the data"):
+        hist = pipe.fit(iter([]), steps=2, progress=False)
+    assert len(hist) == 0 and pipe.step == 0
+
+
+# -- steps that all skip -------------------------------------------------------------------------
+
+
+def test_a_fit_whose_updates_were_all_skipped_says_how_many():
+    tr = _trainer(loss_fn=_nan_loss, on_nan="skip")
+    before = jax.device_get(tr.params)
+    with pytest.warns(mg.train.StepsSkipped, match=r"3 of 3 step\(s\).*every update skipped"):
+        hist = tr.fit([_batch(16)] * 3, progress=False)
+    assert hist.skipped == 3 and tr.step == 3 and "3 skipped" in repr(hist)
+    np.testing.assert_array_equal(np.asarray(tr.params["w"]), before["w"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped: no word
+        assert _trainer(on_nan="skip").fit([_batch(16)], progress=False).skipped == 0
+
+
+def test_an_ensemble_member_and_a_pipeline_that_skip_say_how_many():
+    ens = mg.Ensemble(
+        {
+            "dev0": mg.Member(
+                _nan_loss, optax.sgd(0.1), _params(), data=[_batch(8)] * 2, on_nan="skip", name="m"
+            )
+        }
+    )
+    with pytest.warns(mg.train.StepsSkipped, match=r"member 'm': 2 of 2 step\(s\)"):
+        res = ens.fit(steps=2, progress=False)
+    assert res["m"].history.skipped == 2
+    pipe = mg.Pipeline(
+        [
+            ("dev0", lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}),
+            ("dev1", lambda p, h: h @ p, jnp.ones(2)),
+        ],
+        loss=lambda out, y: jnp.mean((out - y) ** 2) * jnp.nan,
+        optimizer=optax.sgd(0.1),
+        on_nan="skip",
+    )
+    b = _batch(8)
+    with pytest.warns(mg.train.StepsSkipped, match=r"Pipeline.fit: 2 of 2 step\(s\)"):
+        hist = pipe.fit([(b["x"], b["y"])] * 2, steps=2, progress=False)
+    assert hist.skipped == 2
