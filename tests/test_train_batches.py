@@ -1,5 +1,6 @@
-"""The batches of a fit: data that gives none, steps that all skip. The Trainer throughout;
-the Ensemble and Pipeline where the skeleton they share warns."""
+"""The batches of a fit: data that gives none, steps that all skip, batches unlike the first,
+what a list and a string mean, and a key the loss function does not take. The Trainer
+throughout; the Ensemble and Pipeline where the skeleton they share warns."""
 
 import warnings
 
@@ -119,3 +120,90 @@ def test_an_ensemble_member_and_a_pipeline_that_skip_say_how_many():
     with pytest.warns(mg.train.StepsSkipped, match=r"Pipeline.fit: 2 of 2 step\(s\)"):
         hist = pipe.fit([(b["x"], b["y"])] * 2, steps=2, progress=False)
     assert hist.skipped == 2
+
+
+# -- batches unlike the first --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_later_batch_with_another_feature_count_names_the_step_leaf_and_shapes(prefetch):
+    tr = _trainer(prefetch=prefetch)
+    batches = [_batch(64), _batch(64), {"x": np.ones((64, 5), np.float32), "y": np.ones(64, np.float32)}]
+    with pytest.raises(ValueError) as info:
+        tr.fit(batches, progress=False)
+    msg = str(info.value)
+    assert "step 3's batch leaf ['x'] has shape (64, 5) dtype float32" in msg
+    assert "first batch's had shape (64, 3) dtype float32" in msg and "but for the row count" in msg
+    assert tr.step == 2
+
+
+def test_a_later_batch_with_another_dtype_or_structure_is_named():
+    tr = _trainer()
+    b = _batch(16)
+    with pytest.raises(ValueError, match=r"step 2's batch leaf \['y'\] has shape \(16,\) dtype float64"):
+        tr.fit([b, {"x": b["x"], "y": b["y"].astype(np.float64)}], progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"step 3's batch has structure PyTreeDef\(\{'x': \*, 'z': \*\}\), and the first batch's was",
+    ):
+        tr.fit([b, {"x": b["x"], "z": b["y"]}], progress=False)
+
+
+@pytest.mark.parametrize("where", ["first", "later"])
+def test_a_leaf_of_strings_is_named_before_jax_sees_it(where):
+    b = _batch(8)
+    words = {"x": b["x"], "y": np.array(list("abcdefgh"))}
+    batches = [words] if where == "first" else [b, words]
+    step = 1 if where == "first" else 2
+    match = (
+        rf"step {step}'s batch leaf \['y'\] has dtype <U1.*encode it as numbers"
+        if where == "first"
+        else r"step 2's batch leaf \['y'\] has shape \(8,\) dtype <U1"
+    )
+    with pytest.raises((TypeError, ValueError), match=match):
+        _trainer().fit(batches, progress=False)
+
+
+def test_arrays_of_strings_are_named_when_the_fit_begins():
+    with pytest.raises(TypeError, match=r"data leaf \[1\] has dtype <U1"):
+        _trainer().fit((np.ones((4, 3), np.float32), np.array(list("abcd"))), progress=False)
+
+
+# -- what a list and a string mean ---------------------------------------------------------------
+
+
+def test_a_list_of_columns_is_one_data_set():
+    b = _batch(64)
+    as_list, as_tuple = (
+        mg.Trainer(lambda p, xy: _loss(p, {"x": xy[0], "y": xy[1]}), optax.sgd(0.1), _params())
+        for _ in range(2)
+    )
+    hist = as_list.fit([b["x"], b["y"]], batch_size=16, progress=False)
+    as_tuple.fit((b["x"], b["y"]), batch_size=16, progress=False)
+    assert len(hist) == 4
+    np.testing.assert_array_equal(np.asarray(as_list.params["w"]), np.asarray(as_tuple.params["w"]))
+
+
+def test_a_list_of_alike_arrays_is_still_a_list_of_batches():
+    tr = mg.Trainer(lambda p, x: jnp.mean((x @ p["w"]) ** 2), optax.sgd(0.1), {"w": jnp.ones(3)})
+    hist = tr.fit([np.ones((8, 3), np.float32)] * 3, progress=False)
+    assert len(hist) == 3
+
+
+@pytest.mark.parametrize("data", ["train.csv", b"train.csv"])
+def test_a_string_is_not_data(data):
+    with pytest.raises(TypeError, match=r"data is a (str|bytes) \(b?'train.csv'\); mgkit reads no files"):
+        _trainer().fit(data, progress=False)
+
+
+# -- a key the loss function does not take -------------------------------------------------------
+
+
+def test_a_key_given_to_a_loss_without_one_says_why_it_is_passed():
+    tr = _trainer(key=jax.random.key(0))
+    with pytest.raises(TypeError) as info:
+        tr.fit([_batch(16)], progress=False)
+    msg = str(info.value)
+    assert "loss_fn(params, batch, key) failed on the first batch" in msg
+    assert "the key is passed because key= was given" in msg.lower()
+    assert "leave key= out" in msg

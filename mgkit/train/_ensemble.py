@@ -103,7 +103,7 @@ class _Runner(Checkpointing):
             )
             return jax.tree_util.tree_unflatten(treedef, placed), n
 
-        return Feed(src, total, self._step + 1, put, m.prefetch, self._position)
+        return Feed(src, total, self._step + 1, put, m.prefetch, self._position, where)
 
     def check_loss(self, even: Any) -> None:
         """The loss function's output, from shapes only, before the first step compiles."""

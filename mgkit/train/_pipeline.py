@@ -442,7 +442,13 @@ class Pipeline(Checkpointing):
         if total == 0:
             return fit.history
         feed = Feed(
-            src, total, self._step + 1, lambda b, own: self._place(b, where), self.prefetch, self._position
+            src,
+            total,
+            self._step + 1,
+            lambda b, own: self._place(b, where),
+            self.prefetch,
+            self._position,
+            where,
         )
         try:
             self._steps(feed, fit, optimizer, on_nan)

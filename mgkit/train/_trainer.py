@@ -269,7 +269,7 @@ class Trainer(Checkpointing):
         self.history = fit.history
         if total == 0:
             return fit.history
-        feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position)
+        feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position, where)
         try:
             self._steps(feed, fit)
         finally:
