@@ -386,11 +386,6 @@ def _fit(**kw):
             TypeError,
             r"batch_size=8 applies to arrays",
         ),
-        (
-            lambda: _fit(data=[{"x": _DATA["x"][:4], "y": _DATA["y"][:4]}]),
-            ValueError,
-            r"4 row\(s\), fewer than the 8 contexts",
-        ),
         (lambda: _fit(steps=3, epochs=1), TypeError, r"steps= or epochs=, not both"),
         (lambda: _fit(data=iter([_DATA]), epochs=2), TypeError, r"epochs= needs arrays"),
         (

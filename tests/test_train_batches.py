@@ -1,6 +1,7 @@
 """The batches of a fit: data that gives none, steps that all skip, batches unlike the first,
-what a list and a string mean, and a key the loss function does not take. The Trainer
-throughout; the Ensemble and Pipeline where the skeleton they share warns."""
+what a list and a string mean, batches with fewer rows than contexts, and a key the loss
+function does not take. The Trainer throughout; the Ensemble and Pipeline where the skeleton
+they share warns."""
 
 import warnings
 
@@ -149,6 +150,12 @@ def test_a_later_batch_with_another_dtype_or_structure_is_named():
         tr.fit([b, {"x": b["x"], "z": b["y"]}], progress=False)
 
 
+def test_short_batches_pass_the_check():
+    tr = _trainer()
+    tr.fit([_batch(64), _batch(5)], progress=False)
+    assert tr.step == 2
+
+
 @pytest.mark.parametrize("where", ["first", "later"])
 def test_a_leaf_of_strings_is_named_before_jax_sees_it(where):
     b = _batch(8)
@@ -194,6 +201,61 @@ def test_a_list_of_alike_arrays_is_still_a_list_of_batches():
 def test_a_string_is_not_data(data):
     with pytest.raises(TypeError, match=r"data is a (str|bytes) \(b?'train.csv'\); mgkit reads no files"):
         _trainer().fit(data, progress=False)
+
+
+# -- batches with fewer rows than contexts ---------------------------------------------------------
+
+
+def _sgd_by_hand(params, batches, lr=0.1):
+    """Plain SGD on one device: each batch's value_and_grad, applied in turn."""
+    losses = []
+    for b in batches:
+        loss, g = jax.jit(jax.value_and_grad(_loss))(params, b)
+        params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, g)
+        losses.append(float(loss))
+    return jax.device_get(params), losses
+
+
+def _close(got, want):
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("contexts", [8, "a->cpu0;b->cpu0;c->cpu1;d->cpu1;e->cpu2;f->cpu2;g->cpu3;h->cpu3"])
+@pytest.mark.parametrize("rows", [1, 5, 7])
+def test_a_batch_with_fewer_rows_than_contexts_gives_one_devices_gradient(rows, contexts):
+    if isinstance(contexts, str):
+        mg.use_contexts(contexts, verbose=False)
+        contexts = None
+    tr = _trainer(contexts=contexts)
+    assert len(tr.contexts) == 8 and tr.spmd == (contexts == 8)
+    batch = _batch(rows, seed=rows)
+    hist = tr.fit([batch], progress=False)
+    want, losses = _sgd_by_hand(_params(), [batch])
+    _close(jax.device_get(tr.params), want)
+    np.testing.assert_allclose(hist.loss, losses, rtol=1e-6)
+    assert sum(hist.rows) == rows
+
+
+def test_a_loaders_short_last_batch_trains_as_one_device_does():
+    """64 rows a batch, 133 in all: the last batch has 5 rows for 8 contexts."""
+    data = _batch(133, seed=3)
+    batches = [{k: v[i : i + 64] for k, v in data.items()} for i in range(0, 133, 64)]
+    assert [len(b["y"]) for b in batches] == [64, 64, 5]
+    tr = _trainer()
+    hist = tr.fit(batches * 2, progress=False)  # two epochs: the short batch, then full ones again
+    want, losses = _sgd_by_hand(_params(), batches * 2)
+    _close(jax.device_get(tr.params), want)
+    np.testing.assert_allclose(hist.loss, losses, rtol=1e-5)
+
+
+def test_step_fn_takes_a_short_batch():
+    tr = _trainer()
+    params, opt = jax.tree_util.tree_map(jnp.copy, tr.params), tr.opt_state
+    out = tr.step_fn(params, opt, _batch(3))
+    want, losses = _sgd_by_hand(_params(), [_batch(3)])
+    _close(jax.device_get(out.params), want)
+    assert float(out.loss) == pytest.approx(losses[0], rel=1e-6)
 
 
 # -- a key the loss function does not take -------------------------------------------------------

@@ -18,9 +18,10 @@ from .._transfer import leaf_paths, leaves_of
 DEFAULT_BATCH = 256  # rows per batch when the caller does not say (or every row, when fewer)
 
 
-def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, int]:
+def check_batch(batch: Any, where: str, what: str) -> tuple[list, Any, int]:
     """A batch's leaves, structure and rows: every leaf an array with rows along axis 0, the
-    same number of them, at least one per context. ``what`` names the batch in messages."""
+    same number of them, at least one (a batch with fewer rows than contexts trains too: see
+    ``_step``). ``what`` names the batch in messages."""
     leaves, treedef = leaves_of(batch, where)
     if not leaves:
         raise ValueError(f"{where}: {what} has no arrays; give a pytree of arrays with rows along axis 0")
@@ -41,12 +42,7 @@ def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, i
         )
     n = shapes[0][0]
     if n == 0:
-        raise ValueError(f"{where}: {what} has 0 rows; give at least one row per context ({k} or more)")
-    if n < k:
-        raise ValueError(
-            f"{where}: {what} has {n} row(s), fewer than the {k} contexts it is split over; give "
-            f"at least {k} rows per batch (batch_size >= {k}) or train on fewer contexts"
-        )
+        raise ValueError(f"{where}: {what} has 0 rows; give at least one row")
     return leaves, treedef, n
 
 
@@ -133,7 +129,7 @@ class ArraySource:
     position (epoch, first row) is saved with checkpoints and restored on resume."""
 
     def __init__(self, data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: str):
-        leaves, self.treedef, n = check_batch(data, 1, where, "data")
+        leaves, self.treedef, n = check_batch(data, where, "data")
         numeric(data, signature(data), where, "data")
         self.leaves = [leaf if isinstance(leaf, jax.Array) else np.asarray(leaf) for leaf in leaves]
         self.rows = n

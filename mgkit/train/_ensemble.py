@@ -97,7 +97,7 @@ class _Runner(Checkpointing):
         src = _data.source(m.data, m.batch_size, m.shuffle, m.seed, 1, where)
 
         def put(batch: Any, own: bool) -> tuple[Any, int]:
-            leaves, treedef, n = _data.check_batch(batch, 1, where, "the batch")
+            leaves, treedef, n = _data.check_batch(batch, where, "the batch")
             placed = place(
                 leaves, self.ctx, Kind.SPLIT, {"rows": n, "of": n, "member": self.name}, private=own
             )

@@ -251,7 +251,7 @@ class Pipeline(Checkpointing):
                 f"stages, the targets to loss(outputs, targets); got {type(batch).__name__} {batch!r:.80}"
             )
         x, y = batch
-        _, _, n = _data.check_batch((x, y), 1, where, "the batch")
+        _, _, n = _data.check_batch((x, y), where, "the batch")
         m = self.microbatches
         if m > n:
             raise ValueError(

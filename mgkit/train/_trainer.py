@@ -149,7 +149,7 @@ class Trainer(Checkpointing):
         k = len(self.targets.contexts)
 
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
-            leaves, treedef, n = _data.check_batch(batch, k, "Trainer.step_fn", "the batch")
+            leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
             if self.spmd:
                 even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
                 return self._program(params, opt_state, even, rest, key)
@@ -182,7 +182,7 @@ class Trainer(Checkpointing):
     def _place(self, batch: Any, own: bool) -> tuple[tuple, tuple[int, ...]]:
         """A batch laid out for the step: (the step's batch arguments, rows per context)."""
         k = len(self.targets.contexts)
-        leaves, treedef, n = _data.check_batch(batch, k, "Trainer.fit", "the batch")
+        leaves, treedef, n = _data.check_batch(batch, "Trainer.fit", "the batch")
         if self.spmd:
             even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own)
             return (even, rest), rows
@@ -204,7 +204,7 @@ class Trainer(Checkpointing):
 
     def _check_loss(self, placed: tuple) -> None:
         """The loss function's output, from shapes only (before anything compiles or runs)."""
-        batch = placed[0] if self.spmd else placed[0][0]
+        batch = (placed[0] if placed[0] is not None else placed[1]) if self.spmd else placed[0][0]
         structure = jax.tree_util.tree_structure(batch)
         if structure not in self._checked:
             check_loss_on(
