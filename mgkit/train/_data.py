@@ -53,7 +53,7 @@ class Signature(NamedTuple):
     leaves: tuple[tuple[tuple[int, ...], Any], ...]  # per leaf: (shape after axis 0, dtype or Python type)
 
 
-def signature(batch: Any) -> Signature:
+def _signature(batch: Any) -> Signature:
     """A batch's ``Signature`` (host only: shapes and dtypes, nothing moves)."""
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return Signature(treedef, tuple((np.shape(x)[1:], getattr(x, "dtype", type(x))) for x in leaves))
@@ -71,18 +71,18 @@ class BatchCheck:
         self.rows = 0  # the first batch's
 
     def __call__(self, batch: Any, step: int) -> None:
-        sig = signature(batch)
+        sig = _signature(batch)
         if sig == self.first:
             return
         what = f"step {step}'s batch"
         if self.first is None:
-            numeric(batch, sig, self.where, what)
+            _numeric(batch, sig, self.where, what)
             self.first, self.rows = sig, _rows(batch)
             return
         raise _unlike(batch, sig, self, what)
 
 
-def numeric(batch: Any, sig: Signature, where: str, what: str) -> None:
+def _numeric(batch: Any, sig: Signature, where: str, what: str) -> None:
     """Every array leaf of ``batch`` holds numbers (JAX has no strings, bytes, objects or dates)."""
     for path, (_, dtype) in zip(leaf_paths(batch, "(the batch itself)"), sig.leaves, strict=True):
         if isinstance(dtype, np.dtype) and dtype.kind in "USOMm":
@@ -130,7 +130,7 @@ class ArraySource:
 
     def __init__(self, data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: str):
         leaves, self.treedef, n = check_batch(data, where, "data")
-        numeric(data, signature(data), where, "data")
+        _numeric(data, _signature(data), where, "data")
         self.leaves = [leaf if isinstance(leaf, jax.Array) else np.asarray(leaf) for leaf in leaves]
         self.rows = n
         if batch_size is None:

@@ -125,7 +125,7 @@ class Pipeline(Checkpointing):
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
-        and the fit goes on.
+        and the fit goes on (at its end a ``StepsSkipped`` warning says how many).
       prefetch: batches cut and placed ahead of the step by a background thread
         (``mg.Prefetch``); 0 places each batch when the step needs it.
       checkpoint: a folder to save checkpoints in, as ``mg.Trainer``'s (parameters, optimizer

@@ -48,7 +48,7 @@ class Trainer(Checkpointing):
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
-        and the fit goes on.
+        and the fit goes on (at its end a ``StepsSkipped`` warning says how many).
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
       balance: None (parts of equal rows) or ``"measured"`` (the gather-update-copy loop only:
         parts in proportion to each context's measured speed, as ``mg.parallel`` does).
@@ -242,6 +242,10 @@ class Trainer(Checkpointing):
             (a generator) goes on where the last fit left it, less the batches its loader had
             read ahead (up to ``prefetch`` + 1) when a fit stops early (Ctrl-C, a NaN): for
             data whose position is kept across fits and checkpoints, give arrays or a function.
+            Every batch needs the first's structure, and per leaf its dtype and shape but for
+            the row count; a batch with fewer rows than contexts (a loader's short last batch)
+            trains exactly. A list of arrays with one row count but not one shape and dtype
+            (``[X, y]``) is the data set ``(X, y)``; an empty iterable warns ``DataRanOut``.
           steps: steps to run (default: one epoch of arrays; required for a function). With
             ``resume=True``, the steps of the whole run: a run restored at step s runs
             ``steps - s`` more, so the same call re-run after a crash finishes the same run.
