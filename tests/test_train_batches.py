@@ -258,6 +258,33 @@ def test_step_fn_takes_a_short_batch():
     assert float(out.loss) == pytest.approx(losses[0], rel=1e-6)
 
 
+def test_a_pipelines_short_last_batch_trains_as_one_device_does():
+    """4 microbatches a batch; the loader's last batch has 3 rows: cut into 3, the same gradient."""
+    w0, v0 = jnp.asarray(np.linspace(-1, 1, 6).reshape(3, 2), jnp.float32), jnp.asarray([0.5, -0.5])
+    pipe = mg.Pipeline(
+        [("dev0", lambda p, x: jnp.tanh(x @ p), w0), ("dev1", lambda p, h: h @ p, v0)],
+        loss=lambda out, y: jnp.mean((out - y) ** 2),
+        optimizer=optax.sgd(0.1),
+        microbatches=4,
+    )
+    data = _batch(19, seed=4)
+    batches = [(data["x"][i : i + 16], data["y"][i : i + 16]) for i in (0, 16)]
+    assert [len(y) for _, y in batches] == [16, 3]
+    hist = pipe.fit(batches, steps=2, progress=False)
+
+    def loss(ps, x, y):
+        return jnp.mean((jnp.tanh(x @ ps[0]) @ ps[1] - y) ** 2)
+
+    ps, losses = [w0, v0], []
+    for x, y in batches:
+        value, g = jax.value_and_grad(loss)(ps, x, y)
+        ps = [p - 0.1 * gp for p, gp in zip(ps, g, strict=True)]
+        losses.append(float(value))
+    for got, want in zip(pipe.params, ps, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(hist.loss, losses, rtol=1e-5)
+
+
 # -- a key the loss function does not take -------------------------------------------------------
 
 

@@ -243,8 +243,10 @@ class Pipeline(Checkpointing):
 
     # -- checking ------------------------------------------------------------------------
 
-    def _split(self, batch: Any, where: str) -> tuple[list, list, int, tuple[int, ...]]:
-        """The batch's inputs and targets, cut into microbatches: (x parts, y parts, rows, sizes)."""
+    def _split(self, batch: Any, where: str, short: bool) -> tuple[list, list, int, tuple[int, ...]]:
+        """The batch's inputs and targets, cut into microbatches: (x parts, y parts, rows, sizes).
+        ``short``: a batch with fewer rows than microbatches (a loader's short last batch in a
+        fit) is cut into one microbatch per row, else it is an error."""
         if not isinstance(batch, tuple | list) or len(batch) != 2:
             raise TypeError(
                 f"{where}: batch must be a pair (inputs, targets), e.g. (X, y): the inputs go through the "
@@ -252,7 +254,7 @@ class Pipeline(Checkpointing):
             )
         x, y = batch
         _, _, n = _data.check_batch((x, y), where, "the batch")
-        m = self.microbatches
+        m = min(self.microbatches, n) if short else self.microbatches
         if m > n:
             raise ValueError(
                 f"{where}: microbatches={m}, but the batch has {n} row(s); use microbatches <= {n}, or a "
@@ -301,7 +303,7 @@ class Pipeline(Checkpointing):
         if batch is None:
             raise MissingInputError(f"{where}: give the batch, e.g. pipe.value_and_grad(batch=(X, y))")
         params = self._params if p is None else self._on_stages(p)
-        ran = self._run(params, self._place(batch, where), "value_and_grad")
+        ran = self._run(params, self._place(batch, where, short=False), "value_and_grad")
         self._record(ran.blocks)
         return ran.loss, ran.grads
 
@@ -324,10 +326,10 @@ class Pipeline(Checkpointing):
             a = stage.apply(params[s], a)
         return a
 
-    def _place(self, batch: Any, where: str) -> _Placed:
+    def _place(self, batch: Any, where: str, short: bool) -> _Placed:
         """The batch cut into microbatches, inputs placed on the first stage, targets (with
-        their weights) on the last (recorded as this call's splits)."""
-        xs, ys, n, sizes = self._split(batch, where)
+        their weights) on the last (recorded as this call's splits); ``short`` as ``_split``'s."""
+        xs, ys, n, sizes = self._split(batch, where, short)
         first, last = self._stages[0], self._stages[-1]
         self._calls += 1
         token = (id(self), self._calls)
@@ -445,7 +447,7 @@ class Pipeline(Checkpointing):
             src,
             total,
             self._step + 1,
-            lambda b, own: self._place(b, where),
+            lambda b, own: self._place(b, where, short=True),
             self.prefetch,
             self._position,
             where,
