@@ -141,9 +141,10 @@ def test_a_nan_step_is_not_applied_and_ctrl_c_stops_at_a_step_boundary():
     assert pipe.step == 4 and pipe.history.stopped == "nan"
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(pipe.params), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
-    hist = pipe.fit(
-        lambda step: (bad if step == 6 else X, y), optax.sgd(0.1), steps=3, on_nan="skip", progress=False
-    )
+    with pytest.warns(mg.train.StepsSkipped, match=r"1 of 3 step\(s\)"):
+        hist = pipe.fit(
+            lambda step: (bad if step == 6 else X, y), optax.sgd(0.1), steps=3, on_nan="skip", progress=False
+        )
     assert pipe.step == 7 and np.isnan(hist.loss[1]) and np.isfinite(hist.loss[[0, 2]]).all()
 
     asked = []
@@ -308,7 +309,8 @@ def test_optimizer_seed_and_on_nan_live_in_the_constructor_and_fit_may_override_
     bad = X.copy()
     bad[0, 0] = np.nan
     skipping = mg.Pipeline(stages, loss=_xent, optimizer=optax.sgd(0.1), on_nan="skip")
-    hist = skipping.fit(lambda step: (bad if step == 2 else X, y), steps=3, progress=False)
+    with pytest.warns(mg.train.StepsSkipped):
+        hist = skipping.fit(lambda step: (bad if step == 2 else X, y), steps=3, progress=False)
     assert skipping.step == 3 and np.isnan(hist.loss[1]) and np.isfinite(hist.loss[[0, 2]]).all()
     with pytest.raises(FloatingPointError, match="step 4's loss"):
         skipping.fit(lambda step: (bad, y), steps=2, on_nan="raise", progress=False)
@@ -338,7 +340,8 @@ def test_stages_on_one_device_read_each_loss_one_step_late_with_the_same_result(
         late = mg.Pipeline(list(zip(["dev0", "dev0"], fns, params, strict=True)), loss=_xent, microbatches=2)
     at_once = mg.Pipeline(list(zip(["dev0", "dev1"], fns, params, strict=True)), loss=_xent, microbatches=2)
     for pipe in (late, at_once):
-        hist = pipe.fit(data, optax.sgd(0.1), steps=5, on_nan="skip", progress=False)
+        with pytest.warns(mg.train.StepsSkipped):
+            hist = pipe.fit(data, optax.sgd(0.1), steps=5, on_nan="skip", progress=False)
         assert pipe.step == 5 and np.isnan(hist.loss[2]) and np.isfinite(hist.loss[[0, 1, 3, 4]]).all()
     for a, b in zip(
         jax.tree_util.tree_leaves(late.params), jax.tree_util.tree_leaves(at_once.params), strict=True

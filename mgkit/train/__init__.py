@@ -20,6 +20,7 @@ optimizer, seed, ``on_nan``, ``prefetch`` and checkpoint folder where the model 
 from ._ensemble import Ensemble as Ensemble
 from ._history import History as History
 from ._loop import DataRanOut as DataRanOut
+from ._loop import StepsSkipped as StepsSkipped
 from ._member import EnsembleResult as EnsembleResult
 from ._member import Member as Member
 from ._member import MemberError as MemberError
@@ -36,5 +37,6 @@ __all__ = [
     "MemberError",
     "MemberResult",
     "Pipeline",
+    "StepsSkipped",
     "Trainer",
 ]

@@ -110,7 +110,12 @@ def check_loss_on(
     try:
         out = jax.eval_shape(loss_fn, params, batch, *extra)
     except Exception as e:
-        raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}") from e
+        if key is None:
+            raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}") from e
+        raise type(e)(
+            f"{where}: loss_fn(params, batch, key) {on}: {e}. The key is passed because key= was given; "
+            "make loss_fn take (params, batch, key), or leave key= out"
+        ) from e
     check_scalar_loss(out, has_aux, where)
 
 

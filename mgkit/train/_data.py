@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -18,9 +18,10 @@ from .._transfer import leaf_paths, leaves_of
 DEFAULT_BATCH = 256  # rows per batch when the caller does not say (or every row, when fewer)
 
 
-def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, int]:
+def check_batch(batch: Any, where: str, what: str) -> tuple[list, Any, int]:
     """A batch's leaves, structure and rows: every leaf an array with rows along axis 0, the
-    same number of them, at least one per context. ``what`` names the batch in messages."""
+    same number of them, at least one (a batch with fewer rows than contexts trains too: see
+    ``_step``). ``what`` names the batch in messages."""
     leaves, treedef = leaves_of(batch, where)
     if not leaves:
         raise ValueError(f"{where}: {what} has no arrays; give a pytree of arrays with rows along axis 0")
@@ -41,13 +42,85 @@ def check_batch(batch: Any, k: int, where: str, what: str) -> tuple[list, Any, i
         )
     n = shapes[0][0]
     if n == 0:
-        raise ValueError(f"{where}: {what} has 0 rows; give at least one row per context ({k} or more)")
-    if n < k:
-        raise ValueError(
-            f"{where}: {what} has {n} row(s), fewer than the {k} contexts it is split over; give "
-            f"at least {k} rows per batch (batch_size >= {k}) or train on fewer contexts"
-        )
+        raise ValueError(f"{where}: {what} has 0 rows; give at least one row")
     return leaves, treedef, n
+
+
+class Signature(NamedTuple):
+    """What every batch of a fit shares with its first: all but the row count."""
+
+    treedef: Any  # the pytree structure
+    leaves: tuple[tuple[tuple[int, ...], Any], ...]  # per leaf: (shape after axis 0, dtype or Python type)
+
+
+def _signature(batch: Any) -> Signature:
+    """A batch's ``Signature`` (host only: shapes and dtypes, nothing moves)."""
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return Signature(treedef, tuple((np.shape(x)[1:], getattr(x, "dtype", type(x))) for x in leaves))
+
+
+class BatchCheck:
+    """Checks each batch of a fit against the first, on the host: the same structure, and per
+    leaf the same shape but for the row count and the same dtype, so a batch that differs is
+    named by its step and leaf before JAX sees it (a new shape would otherwise compile a new
+    step, or fail inside it). The first batch's arrays must hold numbers."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.first: Signature | None = None
+        self.rows = 0  # the first batch's
+
+    def __call__(self, batch: Any, step: int) -> None:
+        sig = _signature(batch)
+        if sig == self.first:
+            return
+        what = f"step {step}'s batch"
+        if self.first is None:
+            _numeric(batch, sig, self.where, what)
+            self.first, self.rows = sig, _rows(batch)
+            return
+        raise _unlike(batch, sig, self, what)
+
+
+def _numeric(batch: Any, sig: Signature, where: str, what: str) -> None:
+    """Every array leaf of ``batch`` holds numbers (JAX has no strings, bytes, objects or dates)."""
+    for path, (_, dtype) in zip(leaf_paths(batch, "(the batch itself)"), sig.leaves, strict=True):
+        if isinstance(dtype, np.dtype) and dtype.kind in "USOMm":
+            raise TypeError(
+                f"{where}: {what} leaf {path} has dtype {dtype} (strings, bytes, objects or dates), "
+                "which JAX cannot hold; encode it as numbers first, e.g. class labels as integers "
+                "(np.unique(labels, return_inverse=True)[1])"
+            )
+
+
+def _rows(batch: Any) -> int | None:
+    """The row count of a batch's first leaf (None where it has none)."""
+    leaves = jax.tree_util.tree_leaves(batch)
+    shape = np.shape(leaves[0]) if leaves else ()
+    return shape[0] if shape else None
+
+
+def _unlike(batch: Any, sig: Signature, check: BatchCheck, what: str) -> ValueError:
+    """The error of a batch unlike the first: its structure, or its first leaf that differs."""
+    first = check.first
+    fix = (
+        "every batch of a fit needs the first's structure, and per leaf its dtype and shape but "
+        "for the row count (axis 0); make the data yield alike batches"
+    )
+    if sig.treedef != first.treedef:
+        return ValueError(
+            f"{check.where}: {what} has structure {sig.treedef}, and the first batch's was "
+            f"{first.treedef}; {fix}"
+        )
+    n = _rows(batch)
+    paths = leaf_paths(batch, "(the batch itself)")
+    for path, (shape, dtype), (shape0, dtype0) in zip(paths, sig.leaves, first.leaves, strict=True):
+        if (shape, dtype) != (shape0, dtype0):
+            return ValueError(
+                f"{check.where}: {what} leaf {path} has shape {(n, *shape)} dtype {dtype}, and the "
+                f"first batch's had shape {(check.rows, *shape0)} dtype {dtype0}; {fix}"
+            )
+    return ValueError(f"{check.where}: {what} differs from the first batch; {fix}")
 
 
 class ArraySource:
@@ -56,7 +129,8 @@ class ArraySource:
     position (epoch, first row) is saved with checkpoints and restored on resume."""
 
     def __init__(self, data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: str):
-        leaves, self.treedef, n = check_batch(data, 1, where, "data")
+        leaves, self.treedef, n = check_batch(data, where, "data")
+        _numeric(data, _signature(data), where, "data")
         self.leaves = [leaf if isinstance(leaf, jax.Array) else np.asarray(leaf) for leaf in leaves]
         self.rows = n
         if batch_size is None:
@@ -162,11 +236,21 @@ class IterableSource:
 def source(data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: str) -> Any:
     """The batch source for ``data``: an array, or a dict, tuple or other pytree of arrays (rows
     along axis 0) that mgkit batches; a callable ``step -> batch``; or an iterable of batches
-    (a list of batches, a generator, a DataLoader-like object)."""
+    (a list of batches, a generator, a DataLoader-like object). A list of arrays with one row
+    count but not one shape and dtype (``[X, y]``) is read as the tuple ``(X, y)``; a string is
+    an error (mgkit reads no files)."""
     if data is None:
         raise TypeError(
             f"{where}: data is None; give arrays (e.g. {{'x': X, 'y': y}}), a function or an iterable"
         )
+    if isinstance(data, str | bytes):
+        raise TypeError(
+            f"{where}: data is a {type(data).__name__} ({data!r:.80}); mgkit reads no files or text. Give "
+            "arrays with rows along axis 0 (e.g. (X, y), read with np.load or pandas' .to_numpy()), "
+            "a function step -> batch, or an iterable of batches"
+        )
+    if _columns(data):
+        data = tuple(data)  # [X, y]: the columns of one data set, not two batches
     if callable(data) and not isinstance(data, np.ndarray | jax.Array):
         _no_batch_size(batch_size, where, "a function")
         return FunctionSource(data)
@@ -174,6 +258,18 @@ def source(data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: 
         return ArraySource(data, batch_size, shuffle, seed, k, where)
     _no_batch_size(batch_size, where, "an iterable")
     return IterableSource(data, where)
+
+
+def _columns(data: Any) -> bool:
+    """Whether a list is the columns of one data set (``[X, y]``): arrays with the same row
+    count and not all of one shape and dtype (the batches of a list of batches share theirs)."""
+    if not isinstance(data, list) or len(data) < 2:
+        return False
+    if not all(isinstance(x, np.ndarray | jax.Array) and x.ndim for x in data):
+        return False
+    if len({x.shape[0] for x in data}) > 1:
+        return False
+    return len({(x.shape, x.dtype) for x in data}) > 1
 
 
 def _is_pytree_of_arrays(data: Any) -> bool:

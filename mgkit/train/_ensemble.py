@@ -37,7 +37,7 @@ from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import MissingInputError, check_loss_on, device_context
 from ._feed import Feed
 from ._history import History
-from ._loop import Bar, Interrupts, StepEvents, Stop, conclude, not_finite, run_steps
+from ._loop import Bar, Interrupts, StepEvents, Stop, conclude, not_finite, run_steps, warn_skipped
 from ._member import EnsembleResult, Member, MemberError, MemberResult
 from ._step import copied, spmd_step
 
@@ -97,13 +97,13 @@ class _Runner(Checkpointing):
         src = _data.source(m.data, m.batch_size, m.shuffle, m.seed, 1, where)
 
         def put(batch: Any, own: bool) -> tuple[Any, int]:
-            leaves, treedef, n = _data.check_batch(batch, 1, where, "the batch")
+            leaves, treedef, n = _data.check_batch(batch, where, "the batch")
             placed = place(
                 leaves, self.ctx, Kind.SPLIT, {"rows": n, "of": n, "member": self.name}, private=own
             )
             return jax.tree_util.tree_unflatten(treedef, placed), n
 
-        return Feed(src, total, self._step + 1, put, m.prefetch, self._position)
+        return Feed(src, total, self._step + 1, put, m.prefetch, self._position, where)
 
     def check_loss(self, even: Any) -> None:
         """The loss function's output, from shapes only, before the first step compiles."""
@@ -305,6 +305,8 @@ class Ensemble:
                 conclude(
                     f"{where}: member {name!r}", Stop.DATA, len(f.history), f.total, f"step {f.runner.step}"
                 )
+            if f.runner.member.on_nan == "skip":
+                warn_skipped(f"{where}: member {f.runner.name!r}", f.history)
         failed = [f.error for f in fits if f.error is not None]
         if failed:
             rest = (

@@ -1,7 +1,8 @@
 """A fit's batches, as every trainer takes them: asked of the data source by step number,
 placed on the contexts ahead of the step by a background thread (``mg.Prefetch``) unless
 ``prefetch=0``, each with the data position after it. Arrays that mgkit batches go on, fit
-after fit, where the last fit stopped (the same arrays batched alike)."""
+after fit, where the last fit stopped (the same arrays batched alike); other data's batches are
+each checked on the host against the first (``_data.BatchCheck``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class Feed:
         mgkit made for this batch, placed without a private copy).
       prefetch: batches placed ahead by a background thread; 0: each when the step needs it.
       resume_at: where the last fit of these arrays stopped (a position), or None.
+      where: what fits (``"Trainer.fit"``), in messages about a batch unlike the first.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class Feed:
         place: Callable[[Any, bool], Any],
         prefetch: int,
         resume_at: dict | None,
+        where: str,
     ):
         self.arrays = isinstance(src, _data.ArraySource)
         if self.arrays and resume_at is not None:
@@ -42,6 +45,7 @@ class Feed:
                 src.seek(resume_at)
         self.start = dict(src.position)  # where this fit's data begins (the loader reads ahead of it)
         self.after: dict | None = None  # the position after the last batch a step took
+        check = None if self.arrays else _data.BatchCheck(where)  # mgkit's own batches are alike
 
         def batches():
             i = 0
@@ -50,6 +54,8 @@ class Feed:
                     batch = src.next(first + i)
                 except StopIteration:
                     return
+                if check is not None:
+                    check(batch, first + i)
                 yield batch, dict(src.position)
                 i += 1
 

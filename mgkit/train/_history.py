@@ -19,6 +19,7 @@ class History:
       samples_per_second: (n,) rows per second over every context.
       contexts: the context names; ``rows``: rows each context took per step (the last batch's).
       stopped: why the fit ended early (``"interrupted"``, ``"data ran out"``, ``"nan"``), or None.
+      skipped: steps whose update was not applied (a loss or gradient not finite; ``on_nan``).
     """
 
     def __init__(self, contexts: tuple[str, ...]):
@@ -55,6 +56,11 @@ class History:
         return np.asarray(self._samples, np.float64) / np.where(seconds > 0, seconds, np.nan)
 
     @property
+    def skipped(self) -> int:
+        """Steps whose update was not applied: those whose loss the history holds as NaN."""
+        return int(np.isnan(self.loss).sum())
+
+    @property
     def wall(self) -> float:
         """Seconds the steps took in all."""
         return float(self.seconds.sum())
@@ -86,6 +92,7 @@ class History:
 
     def __repr__(self) -> str:
         note = f"; stopped: {self.stopped}" if self.stopped else ""
+        note += f"; {self.skipped} skipped (loss not finite)" if self.skipped else ""
         title = f"mgkit training history: {len(self)} step(s) on {len(self.contexts)} context(s){note}"
         headers = ["steps", "count", "first loss", "last loss", "samples/s (median)", "seconds"]
         return text_table(headers, self._rows(), title=title)

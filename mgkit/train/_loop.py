@@ -11,7 +11,8 @@ the steps, one after one    ``run_steps``: take a batch, dispatch, read the loss
                             one step late (``reads_late``), Ctrl-C and data running out
 Ctrl-C                      ``Interrupts``: noted, acted on at the next step boundary
 a non-finite loss           ``check_on_nan`` and ``not_finite`` (the error and its message)
-data running out            ``DataRanOut``, warned by ``conclude``
+data running out            ``DataRanOut``, warned by ``conclude`` (no batch at all too)
+skipped updates             ``StepsSkipped``, warned by ``warn_skipped`` at a fit's end
 step events                 ``StepEvents``: one ``Kind.STEP`` event per context per step
 the progress bar            ``Bar``
 after the fit               ``conclude``: KeyboardInterrupt after Ctrl-C, the data warning
@@ -38,7 +39,11 @@ from ._history import History
 
 
 class DataRanOut(UserWarning):
-    """An iterable of batches ended before the steps asked for."""
+    """An iterable of batches ended before the steps asked for, or gave no batch at all."""
+
+
+class StepsSkipped(UserWarning):
+    """Under ``on_nan="skip"``, steps whose update was skipped (a loss or gradient not finite)."""
 
 
 class Stop:
@@ -124,11 +129,33 @@ def conclude(
         raise KeyboardInterrupt(
             f"{where} stopped at {kept}, a step boundary, after {done} step(s) this fit; fit again to go on"
         )
-    if stopped == Stop.DATA and total is not None:
+    if stopped == Stop.DATA and done == 0:
+        warnings.warn(
+            f"{where}: no batch came from the data, so nothing trained; it keeps the state of {kept}. "
+            "The data is empty, or it is a generator (an iterator) that an earlier fit used up: "
+            "make a new one for each fit, or give a list, arrays or a function step -> batch",
+            DataRanOut,
+            stacklevel=stacklevel,
+        )
+    elif stopped == Stop.DATA and total is not None:
         warnings.warn(
             f"{where}: the data ended after {done} of {total} step(s); it keeps the state of {kept}. "
             "Give more batches, or fewer steps",
             DataRanOut,
+            stacklevel=stacklevel,
+        )
+
+
+def warn_skipped(where: str, history: History, stacklevel: int = 3) -> None:
+    """A ``StepsSkipped`` warning where steps of the fit were skipped (``history.skipped``)."""
+    skipped = history.skipped
+    if skipped:
+        every = "every update" if skipped == len(history) else "those updates"
+        warnings.warn(
+            f"{where}: {skipped} of {len(history)} step(s) had a loss or gradient that is not finite "
+            f"(on_nan='skip'): {every} skipped, the parameters kept as they were (NaN in "
+            "history.loss). Lower the learning rate or check the data",
+            StepsSkipped,
             stacklevel=stacklevel,
         )
 
@@ -290,6 +317,7 @@ class Fit:
         return seconds
 
     def end(self, kept: str) -> History:
-        """``conclude`` for this fit; returns its history."""
+        """``conclude`` for this fit and the ``StepsSkipped`` warning; returns its history."""
         conclude(self.where, self.history.stopped, len(self.history), self.total, kept, stacklevel=4)
+        warn_skipped(self.where, self.history, stacklevel=4)
         return self.history

@@ -44,7 +44,7 @@ class Member:
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the member stops with a ``MemberError`` naming it (the others go on, as
         ``Ensemble.fit``'s ``on_error`` says); ``"skip"``: that update is skipped and the
-        member goes on.
+        member goes on (at the fit's end a ``StepsSkipped`` warning says how many).
       name: what results and views call the member (default: its context, or
         ``context/i`` where several share one).
       prefetch: batches placed ahead of the member's step by a background thread

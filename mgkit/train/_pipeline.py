@@ -125,7 +125,7 @@ class Pipeline(Checkpointing):
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
-        and the fit goes on.
+        and the fit goes on (at its end a ``StepsSkipped`` warning says how many).
       prefetch: batches cut and placed ahead of the step by a background thread
         (``mg.Prefetch``); 0 places each batch when the step needs it.
       checkpoint: a folder to save checkpoints in, as ``mg.Trainer``'s (parameters, optimizer
@@ -243,16 +243,18 @@ class Pipeline(Checkpointing):
 
     # -- checking ------------------------------------------------------------------------
 
-    def _split(self, batch: Any, where: str) -> tuple[list, list, int, tuple[int, ...]]:
-        """The batch's inputs and targets, cut into microbatches: (x parts, y parts, rows, sizes)."""
+    def _split(self, batch: Any, where: str, short: bool) -> tuple[list, list, int, tuple[int, ...]]:
+        """The batch's inputs and targets, cut into microbatches: (x parts, y parts, rows, sizes).
+        ``short``: a batch with fewer rows than microbatches (a loader's short last batch in a
+        fit) is cut into one microbatch per row, else it is an error."""
         if not isinstance(batch, tuple | list) or len(batch) != 2:
             raise TypeError(
                 f"{where}: batch must be a pair (inputs, targets), e.g. (X, y): the inputs go through the "
                 f"stages, the targets to loss(outputs, targets); got {type(batch).__name__} {batch!r:.80}"
             )
         x, y = batch
-        _, _, n = _data.check_batch((x, y), 1, where, "the batch")
-        m = self.microbatches
+        _, _, n = _data.check_batch((x, y), where, "the batch")
+        m = min(self.microbatches, n) if short else self.microbatches
         if m > n:
             raise ValueError(
                 f"{where}: microbatches={m}, but the batch has {n} row(s); use microbatches <= {n}, or a "
@@ -301,7 +303,7 @@ class Pipeline(Checkpointing):
         if batch is None:
             raise MissingInputError(f"{where}: give the batch, e.g. pipe.value_and_grad(batch=(X, y))")
         params = self._params if p is None else self._on_stages(p)
-        ran = self._run(params, self._place(batch, where), "value_and_grad")
+        ran = self._run(params, self._place(batch, where, short=False), "value_and_grad")
         self._record(ran.blocks)
         return ran.loss, ran.grads
 
@@ -324,10 +326,10 @@ class Pipeline(Checkpointing):
             a = stage.apply(params[s], a)
         return a
 
-    def _place(self, batch: Any, where: str) -> _Placed:
+    def _place(self, batch: Any, where: str, short: bool) -> _Placed:
         """The batch cut into microbatches, inputs placed on the first stage, targets (with
-        their weights) on the last (recorded as this call's splits)."""
-        xs, ys, n, sizes = self._split(batch, where)
+        their weights) on the last (recorded as this call's splits); ``short`` as ``_split``'s."""
+        xs, ys, n, sizes = self._split(batch, where, short)
         first, last = self._stages[0], self._stages[-1]
         self._calls += 1
         token = (id(self), self._calls)
@@ -442,7 +444,13 @@ class Pipeline(Checkpointing):
         if total == 0:
             return fit.history
         feed = Feed(
-            src, total, self._step + 1, lambda b, own: self._place(b, where), self.prefetch, self._position
+            src,
+            total,
+            self._step + 1,
+            lambda b, own: self._place(b, where, short=True),
+            self.prefetch,
+            self._position,
+            where,
         )
         try:
             self._steps(feed, fit, optimizer, on_nan)

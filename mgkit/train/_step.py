@@ -5,7 +5,8 @@ contexts' mesh, the gradient of the whole batch's mean loss all-reduced by XLA, 
 parameters and optimizer state replicated and donated. A batch whose rows do not divide by the
 contexts keeps its largest even part split and its last rows (fewer than the contexts) on every
 context, and weighs the two parts' mean losses by their rows: the gradient of the whole batch's
-mean, in the same program.
+mean, in the same program. A batch with fewer rows than contexts (a loader's short last batch)
+is all last rows: every context computes the whole batch, the one-device gradient.
 
 Where contexts share a device or mix kinds it is the gather-update-copy loop: each context's
 gradient of its part, gathered on the first context, the update there, the new parameters
@@ -95,9 +96,9 @@ def spmd_step(
     gated: bool = False,
 ) -> Callable:
     """The jitted step over ``devices``: (params, opt_state, even, rest, key) -> StepOut, with
-    ``even`` split over the devices and ``rest`` (the last rows, fewer than the devices, or
-    None) on every one; ``key`` a PRNG key for ``loss_fn`` or None. Parameters and optimizer
-    state are donated.
+    ``even`` split over the devices (None for a batch with fewer rows than devices) and ``rest``
+    (the last rows, fewer than the devices, or None) on every one; ``key`` a PRNG key for
+    ``loss_fn`` or None. Parameters and optimizer state are donated.
 
     ``gated``: the step takes one more argument, ``alive`` (a bool array), and applies its
     update only where it is True: the ``ok`` of one step is the ``alive`` of the next, so a
@@ -108,6 +109,9 @@ def spmd_step(
 
     def step(params, opt_state, even, rest, key, alive=None):
         def mean_loss(p):
+            if even is None:  # fewer rows than devices: the whole batch on every one
+                out = call_loss(loss_fn, p, rest, key)
+                return out if has_aux else (out, None)
             out = call_loss(loss_fn, p, even, key)
             loss, aux = out if has_aux else (out, None)
             if rest is None:
@@ -138,11 +142,13 @@ def copied(tree: Any, target: jax.sharding.Sharding) -> Any:
     return jax.jit(lambda t: jax.tree_util.tree_map(jnp.copy, t), out_shardings=target)(tree)
 
 
-def split_rows(leaves: list, n: int, k: int) -> tuple[list, list | None]:
-    """A batch's leaves as (the first k * (n // k) rows, the rest or None)."""
+def split_rows(leaves: list, n: int, k: int) -> tuple[list | None, list | None]:
+    """A batch's leaves as (the first k * (n // k) rows or None where n < k, the rest or None)."""
     even = k * (n // k)
     if even == n:
         return leaves, None
+    if even == 0:
+        return None, leaves
     return [leaf[:even] for leaf in leaves], [leaf[even:] for leaf in leaves]
 
 
@@ -156,7 +162,7 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
     even, rest = split_rows(leaves, n, k)
     sizes = (n // k,) * k
     t0, start = time.perf_counter(), time.time()
-    moving = [(x, 0) for x in even] + [(x, None) for x in rest or ()]
+    moving = [(x, 0) for x in even or ()] + [(x, None) for x in rest or ()]
     values = [x for x, _ in moving]
     if not own:
         cpu = targets.devices[0].platform == "cpu"
@@ -168,8 +174,8 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
     nbytes = sum(x.size * x.dtype.itemsize for x in values)  # numpy or jax arrays (check_batch)
     at_once = time.perf_counter() if _spmd.lands_at_once(targets.devices, nbytes) else None
     _spmd.record(_spmd.spmd_layout(moving, targets, sizes), start, placed, t0, at_once)
-    r = len(even)
-    even_tree = jax.tree_util.tree_unflatten(treedef, placed[:r])
+    r = len(even or ())
+    even_tree = None if even is None else jax.tree_util.tree_unflatten(treedef, placed[:r])
     rest_tree = None if rest is None else jax.tree_util.tree_unflatten(treedef, placed[r:])
     extra = n - sum(sizes)
     rows = tuple(s + (extra if i == 0 else 0) for i, s in enumerate(sizes))

@@ -48,7 +48,7 @@ class Trainer(Checkpointing):
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
-        and the fit goes on.
+        and the fit goes on (at its end a ``StepsSkipped`` warning says how many).
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
       balance: None (parts of equal rows) or ``"measured"`` (the gather-update-copy loop only:
         parts in proportion to each context's measured speed, as ``mg.parallel`` does).
@@ -149,7 +149,7 @@ class Trainer(Checkpointing):
         k = len(self.targets.contexts)
 
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
-            leaves, treedef, n = _data.check_batch(batch, k, "Trainer.step_fn", "the batch")
+            leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
             if self.spmd:
                 even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
                 return self._program(params, opt_state, even, rest, key)
@@ -182,7 +182,7 @@ class Trainer(Checkpointing):
     def _place(self, batch: Any, own: bool) -> tuple[tuple, tuple[int, ...]]:
         """A batch laid out for the step: (the step's batch arguments, rows per context)."""
         k = len(self.targets.contexts)
-        leaves, treedef, n = _data.check_batch(batch, k, "Trainer.fit", "the batch")
+        leaves, treedef, n = _data.check_batch(batch, "Trainer.fit", "the batch")
         if self.spmd:
             even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own)
             return (even, rest), rows
@@ -204,7 +204,7 @@ class Trainer(Checkpointing):
 
     def _check_loss(self, placed: tuple) -> None:
         """The loss function's output, from shapes only (before anything compiles or runs)."""
-        batch = placed[0] if self.spmd else placed[0][0]
+        batch = (placed[0] if placed[0] is not None else placed[1]) if self.spmd else placed[0][0]
         structure = jax.tree_util.tree_structure(batch)
         if structure not in self._checked:
             check_loss_on(
@@ -242,6 +242,10 @@ class Trainer(Checkpointing):
             (a generator) goes on where the last fit left it, less the batches its loader had
             read ahead (up to ``prefetch`` + 1) when a fit stops early (Ctrl-C, a NaN): for
             data whose position is kept across fits and checkpoints, give arrays or a function.
+            Every batch needs the first's structure, and per leaf its dtype and shape but for
+            the row count; a batch with fewer rows than contexts (a loader's short last batch)
+            trains exactly. A list of arrays with one row count but not one shape and dtype
+            (``[X, y]``) is the data set ``(X, y)``; an empty iterable warns ``DataRanOut``.
           steps: steps to run (default: one epoch of arrays; required for a function). With
             ``resume=True``, the steps of the whole run: a run restored at step s runs
             ``steps - s`` more, so the same call re-run after a crash finishes the same run.
@@ -269,7 +273,7 @@ class Trainer(Checkpointing):
         self.history = fit.history
         if total == 0:
             return fit.history
-        feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position)
+        feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position, where)
         try:
             self._steps(feed, fit)
         finally:
