@@ -297,3 +297,17 @@ def test_a_layout_entry_carries_each_calls_own_facts():
     got = led.records()
     assert [e.info.get("loss") for e in got] == [1.0, 2.0, 3.0, None, None, None]
     assert got[0].info["i"] == 0 and lay.rows[0][2] == {"i": 0}  # the layout's own info is not changed
+
+
+@pytest.mark.parametrize("entry", ["not an event", 42, ("transfer", "dev0")])
+def test_record_names_what_it_takes(entry):
+    led = Ledger()
+    with pytest.raises(TypeError) as info:
+        led.record(entry)
+    assert str(info.value) == (
+        f"Ledger.record: got a {type(entry).__name__} ({entry!r}); it takes an Event (Event.on(kind, ctx, "
+        "start, seconds)), a list of Events, or a layout's call (layout.call(start, seconds, label))"
+    )
+    assert len(led) == 0 and led.totals() == {}  # nothing half-recorded
+    led.record(_event())
+    assert len(led.records()) == 1

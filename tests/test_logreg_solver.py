@@ -3,11 +3,13 @@ direction and its pair memory, the line search, the Newton step, the argument pa
 a fit promises: memory that does not grow with max_iter, one answer within tol whatever the
 layout, the symmetric softmax solution."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from sklearn.datasets import load_breast_cancer
+from sklearn.datasets import load_breast_cancer, load_iris
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
@@ -362,3 +364,54 @@ def test_an_unpenalised_softmax_fit_is_the_symmetric_solution():
         )
     np.testing.assert_allclose(fits[1].w, fits[8].w, rtol=0, atol=1e-4 * np.abs(fits[1].w).max())
     np.testing.assert_allclose(fits[1].w, fits["fit_many"].w, rtol=0, atol=1e-4 * np.abs(fits[1].w).max())
+
+
+# -- separable classes, warm starts (scikit-learn's own tests) ---------------------------------
+
+
+def _stops(f: float, gap: float, tol: float = 1e-5) -> bool:
+    """``stops`` for one model whose gradient is within tol and whose decrement is ``gap``."""
+    g, d = jnp.asarray([[2 * gap]], jnp.float32), jnp.asarray([[-1.0]], jnp.float32)
+    return bool(sv.stops(jnp.asarray([f], jnp.float32), g, jnp.asarray([1e-6]), d, tol)[0])
+
+
+def test_the_decrement_is_relative_to_the_objective_down_to_epsilon():
+    eps = float(np.finfo(np.float32).eps)
+    assert _stops(1.0, 5e-6) and not _stops(1.0, 2e-5)  # tol times the objective
+    assert _stops(0.1, 5e-7) and not _stops(0.1, 2e-6)
+    # an objective that goes to zero (separable classes, no penalty): the decrement stays about
+    # half of it, and the rule holds once it is below epsilon
+    assert _stops(1e-9, 5e-10) and _stops(2 * eps, eps) and not _stops(4 * eps, 2 * eps)
+
+
+@pytest.mark.parametrize("solver", ["newton", "lbfgs"])
+def test_separable_classes_without_a_penalty_converge(solver):
+    """10 x 20 wide data at C=1e30 and iris's setosa against the rest at C=inf: the objective
+    goes to zero, the gradient with it; the fit converges with no warning, as scikit-learn's."""
+    wide = np.random.default_rng(0).standard_normal((10, 20)), np.arange(10) % 2
+    iris, labels = load_iris(return_X_y=True)
+    for (X, y), C in ((wide, 1e30), ((iris, (labels == 0).astype(int)), np.inf)):
+        for k in (1, 8):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                m = lr.fit(X, y, C=C, solver=solver, contexts=k)
+            assert bool(m.info.converged) and m.info.grad_norm <= 1e-5, (C, k)
+            assert m.info.iterations < 30 and m.info.loss[-1] < 1e-5, (C, k)
+            assert (np.asarray(lr.predict(m, X)) == y).all()
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_a_newton_warm_start_is_the_same_iterate(k):
+    """Two single Newton steps, the second from the first's model (init=), are the two steps
+    of one fit (scikit-learn's test_warm_start_newton_solver), at C=inf where Newton's system
+    amplifies any rounding, and with a penalty."""
+    X, y = load_iris(return_X_y=True)
+    for C, labels in ((np.inf, y), (1.0, y), (np.inf, (y == 1).astype(int))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", lr.ConvergenceWarning)  # one and two steps stop short
+            two = lr.fit(X, labels, C=C, solver="newton", max_iter=2, contexts=k)
+            one = lr.fit(X, labels, C=C, solver="newton", max_iter=1, contexts=k)
+            again = lr.fit(X, labels, C=C, solver="newton", max_iter=1, contexts=k, init=one)
+        w = np.abs(np.asarray(two.w)).max()
+        np.testing.assert_allclose(again.w, two.w, rtol=0, atol=1e-5 * w, err_msg=f"C={C}")
+        np.testing.assert_allclose(again.b, two.b, rtol=0, atol=1e-5 * w, err_msg=f"C={C}")

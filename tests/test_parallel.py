@@ -539,6 +539,18 @@ BAD = [
         r"returned a scalar \(shape \(\)\) for its output on a part of 2 rows \(8 context\(s\)\).*mg.pmap",
     ),
     (
+        lambda: mg.make_parallel(lambda a: "done", a=np.ones((16, 3))),
+        TypeError,
+        r"^make_parallel: <lambda> returned a str \('done'\) for its output, not an array; a compiled "
+        r"function returns arrays only: return arrays \(and numbers\) from <lambda>, and keep other values "
+        r"outside it",
+    ),
+    (
+        lambda: mg.parallel(lambda a: {"y": a, "tag": b"x"}, out_axes=None)(np.ones((16, 3))),
+        TypeError,
+        r"^parallel: <lambda> returned a bytes \(b'x'\) for output \['tag'\], not an array",
+    ),
+    (
         lambda: mg.make_parallel(lambda a: a[:1], a=np.ones((16, 3))),
         ValueError,
         r"returned shape \(1, 3\) for its output on a part of 2 rows",

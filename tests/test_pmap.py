@@ -110,6 +110,10 @@ def test_vmap_and_jit_of_pmap_equal_jax_pmap():
 def test_an_axis_name_fn_does_not_use_is_named_in_the_error(fn, axis_name, used):
     with pytest.raises(ValueError) as info:
         mg.pmap(fn, axis_name=axis_name)(X)
+    # a NameError as well, as jax.pmap's is: code that catches JAX's error catches it
+    assert isinstance(info.value, NameError) and info.value.name == used
+    with pytest.raises(NameError):
+        _jax_pmap(fn, X, axis_name=axis_name)
     assert str(info.value) == (
         f"pmap: axis_name={axis_name!r} was given, but <lambda> uses a collective over the axis {used!r}, "
         f"which is not bound; pass axis_name={used!r} to mg.pmap, or name {axis_name!r} in <lambda>'s "

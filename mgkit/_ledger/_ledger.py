@@ -179,8 +179,16 @@ class Ledger:
         Use it when the caller knows the seconds already (host work, a step it waited for)."""
         if type(entry) is Call:
             self._record_call(entry)
+        elif isinstance(entry, Event):
+            self._record_all((entry,))
+        elif isinstance(entry, list):
+            self._record_all(entry)
         else:
-            self._record_all((entry,) if isinstance(entry, Event) else entry)
+            raise TypeError(
+                f"Ledger.record: got a {type(entry).__name__} ({entry!r:.60}); it takes an Event "
+                "(Event.on(kind, ctx, start, seconds)), a list of Events, or a layout's call "
+                "(layout.call(start, seconds, label))"
+            )
 
     def _record_all(self, events) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ recorded in the ledger.
 ==============  ==================================================================================
 """
 
+from ._pmap import UnboundAxisError as UnboundAxisError
 from ._pmap import pmap as pmap
 from ._run_each import run_each as run_each
 from ._split import concat as concat

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,10 +158,16 @@ def _checked(fn: Callable, treedef: Any, axes: tuple, out_axes: Any, k: int, whe
 def _check_out(out: Any, out_axes: Any, rows: int, k: int, fn: Callable, where: str) -> None:
     out_leaves = jax.tree_util.tree_leaves(out)
     for i, (leaf, ax) in enumerate(zip(out_leaves, leaf_axes(out_axes, out, "out_axes", where), strict=True)):
+        label = tree_leaf_name(out, i).replace("leaf ", "output ").replace("the array", "its output")
+        if not hasattr(leaf, "dtype") and not isinstance(leaf, numbers.Number):
+            raise TypeError(
+                f"{where}: {fn_name(fn)} returned a {type(leaf).__name__} ({leaf!r:.60}) for {label}, not an "
+                "array; a compiled function returns arrays only: return arrays (and numbers) from "
+                f"{fn_name(fn)}, and keep other values outside it"
+            )
         if ax is None:
             continue
         shape = np.shape(leaf)
-        label = tree_leaf_name(out, i).replace("leaf ", "output ").replace("the array", "its output")
         what = "a scalar (shape ())" if not shape else f"shape {tuple(shape)}"
         if not -len(shape) <= ax < len(shape) or shape[ax] != rows:
             raise ValueError(

@@ -33,6 +33,9 @@ def pmap(
     The mapped function works inside ``jax.jit``, ``jax.grad`` and ``jax.vmap`` (``vmap`` maps
     over another axis of the arguments; each call still takes one slice per context).
 
+    A collective over an axis that is not bound raises ``UnboundAxisError``: a ``NameError``,
+    as in ``jax.pmap``, and a ``ValueError``; its message names the axis and the fix.
+
     >>> import mgkit as mg, numpy as np, jax
     >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
     >>> total = mg.pmap(lambda v: jax.lax.psum(v, "i"), out_axes=None)(np.array([1.0, 2.0]))
@@ -88,9 +91,14 @@ def pmap(
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
 
 
-def _unbound_axis(fn: Callable, batch: Batch, axis_name: str) -> ValueError | None:
+class UnboundAxisError(ValueError, NameError):
+    """A mapped function's collectives name an axis that ``mg.pmap`` does not bind. A
+    ``NameError``, as ``jax.pmap``'s is (``name``: the axis), and a ``ValueError``."""
+
+
+def _unbound_axis(fn: Callable, batch: Batch, axis_name: str) -> UnboundAxisError | None:
     """The error for a function whose collectives name an axis other than ``axis_name`` (JAX's
-    own is an empty AssertionError from inside shard_map), else None. ``jax.vmap`` binds only
+    own is an empty AssertionError from inside shard_map, or a NameError), else None. ``jax.vmap`` binds only
     ``axis_name`` and names the first other axis the function uses."""
 
     def flat(*leaves):
@@ -105,11 +113,13 @@ def _unbound_axis(fn: Callable, batch: Batch, axis_name: str) -> ValueError | No
         if found is None:
             return None
         used = found.group(1)
-        return ValueError(
+        error = UnboundAxisError(
             f"pmap: axis_name={axis_name!r} was given, but {fn_name(fn)} uses a collective over the axis "
             f"{used!r}, which is not bound; pass axis_name={used!r} to mg.pmap, or name {axis_name!r} in "
             f"{fn_name(fn)}'s collectives (e.g. jax.lax.psum(x, {axis_name!r}))"
         )
+        error.name = used
+        return error
     except Exception:  # noqa: BLE001 - the diagnosis failed another way: keep JAX's error
         return None
     return None

@@ -81,8 +81,9 @@ def fit(
       tol: the stopping rule, the same in every layout: Newton and L-BFGS stop when every
         gradient component is at most ``tol`` and the estimated distance to the minimum
         objective (the decrement ``-g . d / 2`` of the next step d) is at most ``tol`` times the
-        objective. Newton's estimate is second order (from the Hessian its last step was taken
-        with: k iterations solve k systems); L-BFGS's uses its inverse-Hessian
+        objective, or below the float type's epsilon (an objective that goes to zero: separable
+        classes without a penalty). Newton's estimate is second order (from the Hessian its last
+        step was taken with: k iterations solve k systems); L-BFGS's uses its inverse-Hessian
         approximation and can understate the distance a few times on ill-conditioned problems
         (use ``solver="newton"`` or a smaller tol there). gd: converged when every gradient
         component is at most ``tol`` (it takes its fixed steps regardless).

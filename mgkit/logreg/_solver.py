@@ -3,8 +3,9 @@ each a step function run by one loop (``iterate``) inside one compiled program.
 
 A state NamedTuple (``State``) and pure functions: the directions (``newton_direction``,
 ``lbfgs_direction``, with the pair memory ``remember``), the stopping rule (``stops``), the
-iterations (``search_iteration``, ``gd_iteration``) and the loop driver. The objective lives in
-``_objective``, the step length (Newton along the line, backtracking) in ``_linesearch``.
+iterations (``search_iteration``, with Newton's point ``newton_point``, ``gd_iteration``) and
+the loop driver. The objective lives in ``_objective``, the step length (Newton along the line,
+backtracking) in ``_linesearch``.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class State(NamedTuple):
     its: Any  # (M,) iterations each model took (models stop on their own in a batch)
     W: Any  # (d, M, c) weights
     b: Any  # (M, c) intercepts
-    Z: Any  # (M, c, n) scores of the current model (updated along each step, not recomputed)
+    Z: Any  # (M, c, n) scores of the current model (L-BFGS: updated along each step; Newton: recomputed)
     f: Any  # (M,) objective
     g: Any  # (M, p) gradient
     gmax: Any  # (M,) max |gradient|
@@ -335,13 +336,43 @@ def direction(pb: Problem, spec: Spec, st: State) -> jax.Array:
 def stops(f, g, gmax, d, tol) -> jax.Array:
     """The stopping rule of Newton and L-BFGS, (M,) bool: every gradient component at most
     ``tol``, and the objective's estimated distance to its minimum, the decrement -g . d / 2
-    of a (quasi-)Newton step d from this point, at most ``tol`` times the objective. The
-    decrement is the second-order estimate of f - min f: Newton's reads the Hessian of the
-    point its last step began from (near the minimum, where the rule can hold, it changes by
-    the step's length), so a fit of k iterations solves k Newton systems; L-BFGS's uses its
-    inverse-Hessian estimate."""
+    of a (quasi-)Newton step d from this point, at most ``tol`` times the objective or at most
+    the float type's epsilon. The decrement is the second-order estimate of f - min f:
+    Newton's reads the Hessian of the point its last step began from (near the minimum, where
+    the rule can hold, it changes by the step's length), so a fit of k iterations solves k
+    Newton systems; L-BFGS's uses its inverse-Hessian estimate.
+
+    The absolute floor, epsilon, is a distance that rounding hides in a unit objective (a mean
+    log-loss starts at log k for k classes): without it a fit whose objective goes to zero
+    (separable classes, no penalty) never stops, as its decrement stays about a fixed fraction
+    of the objective. An objective above epsilon / tol (float32 at tol 1e-5: 0.012) keeps the
+    relative promise."""
     gap = -0.5 * jnp.sum(g * d, axis=1)
-    return (gmax <= tol) & (gap <= tol * jnp.abs(f))
+    eps = float(jnp.finfo(f.dtype).eps)
+    return (gmax <= tol) & (gap <= jnp.maximum(tol * jnp.abs(f), eps))
+
+
+def newton_point(pb: Problem, st: State, active, W, b) -> tuple:
+    """Newton's next point (W, b) for the active models, as a fit started from it (``init=``)
+    begins: softmax weights made symmetric (``symmetric``), the scores recomputed from them and
+    the objective there. Returns (W, b, Z, f).
+
+    Newton keeps nothing from step to step but its point, so a warm start from the model a fit
+    returns takes the step that fit would have taken next. Scores carried along the steps
+    (Z + t * D, as L-BFGS's are) differ from recomputed ones by rounding, and the Newton system
+    of a weak penalty amplifies that (two steps of iris at C=inf in float32 were 7e-4 apart:
+    tests/test_logreg_solver.py). The product with X costs little beside the Hessian's."""
+    if pb.c > 1:
+        W, b = symmetric(W, b)
+    Z = ob.scores(pb, W, b)
+    f = ob.value(pb, Z, W)
+    keep = ~active
+    return (
+        jnp.where(keep[None, :, None], st.W, W),
+        jnp.where(keep[:, None], st.b, b),
+        jnp.where(keep[:, None, None], st.Z, Z),
+        jnp.where(keep, st.f, f),
+    )
 
 
 def search_iteration(pb: Problem, spec: Spec, tol, st: State) -> State:
@@ -365,8 +396,11 @@ def search_iteration(pb: Problem, spec: Spec, tol, st: State) -> State:
     t = jnp.where(ok & active, t, 0.0)
     W = st.W + t[None, :, None] * dW
     b = st.b + t[:, None] * db
-    Z = st.Z + t[:, None, None] * D
-    f = jnp.where(ok & active, f_t, st.f)
+    if newton:
+        W, b, Z, f = newton_point(pb, st, active, W, b)
+    else:
+        Z = st.Z + t[:, None, None] * D
+        f = jnp.where(ok & active, f_t, st.f)
     g = ob.gradient(pb, Z, W)
     gmax = jnp.max(jnp.abs(g), axis=1)
     pairs = Pairs(st.SY, st.Rinv, st.YtY)
@@ -468,7 +502,7 @@ def results(pb: Problem, spec: Spec, tol, st: State) -> Fit:
     """The fit's model (softmax: ``symmetric``) and facts (``pack_facts``) from the loop's last
     state; the history holds this call's iterations only."""
     M = pb.l2.shape[0]
-    # The carried loss and gradient are the returned model's (scores are updated, not
+    # The carried loss and gradient are the returned model's (L-BFGS's scores are updated, not
     # recomputed: their rounding stays near float epsilon times the path length).
     f, gmax, conv = st.f, st.gmax, st.conv
     if spec.solver == "gd":  # the carry holds the step before the last update: evaluate the last
@@ -484,7 +518,11 @@ def results(pb: Problem, spec: Spec, tol, st: State) -> Fit:
         zero = jnp.zeros((M,), f.dtype)
         limit = jax.lax.cond(jnp.any(st.stalled), lambda: _rounding_floor(pb, st), lambda: zero)
         conv = conv | (st.stalled & (gmax <= limit))
-    W, b = symmetric(st.W, st.b) if spec.c > 1 else (st.W, st.b)
+    W, b = st.W, st.b
+    if spec.c > 1:  # Newton's points are symmetric already (``newton_point``), but for its start
+        Ws, bs = symmetric(W, b)
+        kept = st.its > 0 if spec.solver == "newton" else jnp.zeros_like(st.done)
+        W, b = jnp.where(kept[None, :, None], W, Ws), jnp.where(kept[:, None], b, bs)
     more = ~st.done & (st.it < spec.max_iter)
     return Fit(W, b, pack_facts(hist, st.base, st.its, gmax, conv, more))
 
