@@ -27,6 +27,7 @@ from ._ledger import Event as Event
 from ._ledger import Ledger as Ledger
 from ._ledger import ledger as ledger
 from ._parallel import Parallel as Parallel
+from ._parallel import UnboundAxisError as UnboundAxisError
 from ._parallel import concat as concat
 from ._parallel import make_parallel as make_parallel
 from ._parallel import parallel as parallel
@@ -44,6 +45,7 @@ from ._transfer import where as where
 from ._version import __version__ as __version__
 from ._watchdog import StallWarning as StallWarning
 from ._watchdog import watchdog as watchdog
+from .launching import CoresWarning as CoresWarning
 from .launching import LaunchError as LaunchError
 from .launching import LaunchResult as LaunchResult
 from .launching import launch as launch
@@ -57,6 +59,7 @@ from .train import Trainer as Trainer
 __all__ = [
     "ContextError",
     "ContextMap",
+    "CoresWarning",
     "Dashboard",
     "DeviceInfo",
     "DeviceMap",
@@ -79,6 +82,7 @@ __all__ = [
     "ThroughputView",
     "Trainer",
     "TransferView",
+    "UnboundAxisError",
     "beat",
     "clear_caches",
     "colocate",
