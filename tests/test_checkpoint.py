@@ -728,3 +728,59 @@ def test_a_failed_save_leaves_no_thread_and_prints_no_traceback(
         assert ck.latest() == 2
     ck.close()
     assert set(threading.enumerate()) <= before
+
+
+def _stage(p, x):
+    return jnp.tanh(x @ p["w"])
+
+
+def test_a_pipeline_and_an_ensemble_with_sgd_resume_bit_for_bit(tmp_path):
+    data, _ = _regression()
+    k1, k2 = jax.random.split(jax.random.key(0))
+    stages = [
+        ("dev0", _stage, {"w": jax.random.normal(k1, (4, 3))}),
+        ("dev1", _stage, {"w": jax.random.normal(k2, (3, 2))}),
+    ]
+
+    def pipe(steps, **kw):
+        p = mg.Pipeline(
+            stages,
+            loss=lambda out, y: ((out - y) ** 2).mean(),
+            microbatches=2,
+            optimizer=optax.sgd(0.1),
+            **kw,
+        )
+        p.fit(
+            (data["x"], data["y"]),
+            steps=steps,
+            batch_size=16,
+            progress=False,
+            resume="checkpoint" in kw and steps == 6,
+        )
+        if p.checkpoints is not None:
+            p.checkpoints.close()
+        return p
+
+    whole_run, _, again = (
+        pipe(6),
+        pipe(4, checkpoint=tmp_path / "pipe", every=2),
+        pipe(6, checkpoint=tmp_path / "pipe", every=2),
+    )
+    assert again.step == 6 and jax.tree.structure(again.opt_state) == jax.tree.structure(whole_run.opt_state)
+    _same_bits((again.params, again.opt_state), (whole_run.params, whole_run.opt_state))
+
+    def ensemble(steps, **kw):
+        member = mg.Member(
+            _sq_loss, optax.sgd(0.1), _regression()[1], data=data, batch_size=16, name="m", **kw
+        )
+        return mg.Ensemble({"dev0": member}).fit(
+            steps=steps, progress=False, resume="checkpoint" in kw and steps == 6
+        )["m"]
+
+    whole_m, _, again_m = (
+        ensemble(6),
+        ensemble(4, checkpoint=tmp_path / "m", every=2),
+        ensemble(6, checkpoint=tmp_path / "m", every=2),
+    )
+    assert again_m.step == 6 and len(again_m.history) == 2
+    _same_bits(again_m.params, whole_m.params)
