@@ -2,10 +2,13 @@
 optional dependency, imported when a store is made), atomic (a save killed half-way leaves the
 previous checkpoint the newest complete one), asynchronous, the newest ``keep`` kept.
 
-A state is a dict. An entry holding arrays (``params``, ``opt_state``, a PRNG key) is a tree: its
-arrays go to orbax, its other leaves (Python numbers) to a JSON manifest listing every leaf's path,
-shape and dtype, so a restore into another model names the first leaf that differs. An entry without
-arrays (``step``, the data position, a key of ``None``) is stored as JSON and comes back as saved.
+A state is a dict. An entry holding arrays (``params``, ``opt_state``, a PRNG key), or one that
+JSON would not give back as it is (an optimizer state of empty NamedTuples, as ``optax.sgd``'s), is
+a tree: its arrays go to orbax, and a JSON manifest (``_checkpoint_tree``) lists its every node
+(with its type) and leaf (path, shape and dtype; Python numbers by value). A restore puts the
+leaves back into the model's own tree, after naming the first node or leaf that differs. Other
+entries (``step``, the data position, a key of ``None``) are stored as JSON and come back as saved.
+A damaged newest checkpoint is moved aside (``<step>.damaged``, with a warning) for the one before.
 """
 
 from __future__ import annotations
