@@ -2,6 +2,7 @@
 SIGKILL, bit-identical round trips on 8 contexts, kept checkpoints, no threads left, clear errors."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import optax
 import psutil
 import pytest
 
+import mgkit as mg
+from mgkit.train import _checkpoint
 from mgkit.train._checkpoint import Checkpoints
 from tests.conftest import run_python
 
@@ -155,6 +158,8 @@ N_BIG = 50_000_000  # 200 MB of float32: its save takes long enough to be killed
 CHILD = f"""
 import sys
 import jax, jax.numpy as jnp
+import mgkit as mg
+from mgkit.train import _checkpoint
 from mgkit.train._checkpoint import Checkpoints
 
 def state(step, value):
@@ -504,3 +509,278 @@ def test_a_failed_background_save_is_reported_by_the_next_wait(tmp_path, monkeyp
     )
     monkeypatch.undo()
     ck.close()
+
+
+# --- any optax state resumes as it was (issue 30) ------------------------------------------------
+
+_MASK = {"w": True, "b": False}
+OPTIMIZERS = {  # states with no arrays, chains, masks, scalars, contrib, MultiSteps, keys
+    "sgd": lambda: optax.sgd(0.1),
+    "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adamw": lambda: optax.adamw(1e-2),
+    "chain_without_arrays": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-4), optax.sgd(0.1)
+    ),
+    "masked_sgd": lambda: optax.masked(optax.sgd(0.1), _MASK),
+    "masked_adam_and_sgd": lambda: optax.chain(
+        optax.masked(optax.adam(1e-2), _MASK), optax.masked(optax.sgd(0.1), {"w": False, "b": True})
+    ),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.5),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
+    "noisy_sgd": lambda: optax.noisy_sgd(0.1, key=jax.random.key(3)),
+    "prodigy": lambda: optax.contrib.prodigy(),
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2),
+    "multi_transform": lambda: optax.multi_transform(
+        {"a": optax.adam(1e-2), "s": optax.sgd(0.1)}, {"w": "a", "b": "s"}
+    ),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.lion(1e-3), 3),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+
+
+def _regression():
+    rng = np.random.default_rng(0)
+    data = {
+        "x": rng.normal(size=(64, 4)).astype(np.float32),
+        "y": rng.normal(size=(64, 2)).astype(np.float32),
+    }
+    return data, {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+
+
+def _sq_loss(p, batch):
+    return ((batch["x"] @ p["w"] + p["b"] - batch["y"]) ** 2).mean()
+
+
+def _fit(opt, steps, folder=None, resume=False, every=2):
+    data, params = _regression()
+    tr = mg.Trainer(_sq_loss, opt, params, checkpoint=folder, every=every)
+    tr.fit(data, steps=steps, batch_size=16, resume=resume, progress=False)
+    if tr.checkpoints is not None:
+        tr.checkpoints.close()
+    return tr
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_resume_with_any_optax_optimizer_is_the_uninterrupted_run_bit_for_bit(tmp_path, name):
+    whole_run = _fit(OPTIMIZERS[name](), 6)
+    _fit(OPTIMIZERS[name](), 4, tmp_path)  # checkpoints at steps 2 and 4
+    again = _fit(OPTIMIZERS[name](), 6, tmp_path, resume=True)
+    assert again.step == 6
+    assert jax.tree.structure(again.opt_state) == jax.tree.structure(whole_run.opt_state)
+    _same_bits((again.params, again.opt_state), (whole_run.params, whole_run.opt_state))
+
+
+def test_an_optimizer_state_without_arrays_comes_back_in_its_own_structure(tmp_path):
+    params = {"w": jnp.ones(3)}
+    opt_state = optax.chain(optax.sgd(0.1), optax.masked(optax.sgd(0.1), {"w": True})).init(params)
+    assert jax.tree.leaves(opt_state) == []
+    with Checkpoints(tmp_path, every=1) as ck:
+        ck.save(1, {"params": params, "opt_state": opt_state, "step": 1, "data": {"index": 3}})
+        back = ck.restore({"params": params, "opt_state": opt_state, "step": 0, "data": {}})
+    assert jax.tree.structure(back["opt_state"]) == jax.tree.structure(opt_state)
+    assert back["opt_state"] == opt_state and back["data"] == {"index": 3}
+
+
+def test_resuming_with_another_optimizer_names_the_first_difference(tmp_path):
+    _fit(optax.sgd(0.1), 2, tmp_path)
+    data, params = _regression()
+    tr = mg.Trainer(_sq_loss, optax.adam(1e-2), params, checkpoint=tmp_path, every=2)
+    with pytest.raises(ValueError) as info:
+        tr.fit(data, steps=4, batch_size=16, resume=True, progress=False)
+    tr.checkpoints.close()
+    for part in [
+        "Trainer: the checkpoint of step 2",
+        str(tmp_path),
+        "['opt_state'][0] is a tree node of type EmptyState in the checkpoint but of type "
+        "ScaleByAdamState in the model",
+        "different model or optimizer",
+        "with the optimizer and the parameters it was saved from",
+    ]:
+        assert part in str(info.value), str(info.value)
+    assert tr.step == 0
+
+
+def test_a_state_with_another_number_of_empty_nodes_names_the_node(tmp_path):
+    params = {"w": jnp.ones(3)}
+    with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
+        ck.save(1, {"params": params, "opt_state": optax.sgd(0.1).init(params), "step": 1})
+        _raises(
+            ValueError,
+            [
+                "['opt_state'][1] is in the checkpoint (a tree node of type EmptyState) but missing",
+            ],
+            ck.restore,
+            {"params": params, "opt_state": (optax.EmptyState(),), "step": 0},
+        )
+
+
+# --- a damaged newest checkpoint -----------------------------------------------------------------
+
+
+def _damage(folder: Path, how: str) -> Path:
+    """Damages the checkpoint of step 2 (or makes an empty step 3): the folder that is skipped."""
+    if how == "empty folder named by a step":
+        (folder / "3").mkdir()
+        return folder / "3"
+    if how == "array files gone":
+        shutil.rmtree(folder / "2" / "arrays")
+    else:  # the array data deleted, its manifest kept: found only when orbax reads the arrays
+        for f in (folder / "2" / "arrays" / "d").iterdir():
+            f.unlink()
+    return folder / "2"
+
+
+@pytest.mark.parametrize("how", ["empty folder named by a step", "array files gone", "array data gone"])
+def test_a_damaged_newest_checkpoint_is_set_aside_for_the_newest_complete_one(tmp_path, how):
+    like = {"params": {"w": jnp.zeros(3)}, "step": 0}
+    with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
+        for step in (1, 2):
+            ck.save(step, {"params": {"w": jnp.full(3, float(step))}, "step": step})
+    skipped = _damage(tmp_path, how)
+    with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
+        with pytest.warns(UserWarning) as warned:
+            back = ck.restore(like)
+        msg = str(warned[0].message)
+        for part in ["Trainer: the checkpoint folder", f"'{skipped}'", "is damaged", f"'{skipped}.damaged'"]:
+            assert part in msg, msg
+        complete = 2 if how == "empty folder named by a step" else 1
+        assert back["step"] == complete and back["params"]["w"].tolist() == [float(complete)] * 3
+        assert ck.latest() == complete and Path(f"{skipped}.damaged").is_dir() and not skipped.exists()
+        step = int(skipped.name)  # the step is saved again
+        ck.save(step, {"params": {"w": jnp.full(3, 5.0)}, "step": step})
+        assert ck.restore(like)["params"]["w"].tolist() == [5.0] * 3
+
+
+def test_a_damaged_checkpoint_asked_for_by_step_names_the_folder_and_step(tmp_path):
+    like = {"params": {"w": jnp.zeros(3)}, "step": 0}
+    with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
+        for step in (1, 2):
+            ck.save(step, {"params": {"w": jnp.full(3, float(step))}, "step": step})
+    _damage(tmp_path, "array data gone")
+    with Checkpoints(tmp_path, every=1, where="Trainer") as ck:
+        msg = _raises(
+            FileNotFoundError,
+            ["Trainer: the checkpoint of step 2 in", f"'{tmp_path / '2'}' is damaged", "step=None"],
+            ck.restore,
+            like,
+            step=2,
+        )
+        assert "KeyError" not in msg.split("(")[0]
+        (tmp_path / "1" / "meta" / "metadata").unlink()
+        with pytest.warns(UserWarning), pytest.raises(FileNotFoundError, match="unfinished or damaged"):
+            ck.restore(like)
+
+
+def test_resume_from_a_damaged_newest_checkpoint_goes_on_from_the_one_before(tmp_path):
+    whole_run = _fit(optax.adam(1e-2), 6)
+    _fit(optax.adam(1e-2), 4, tmp_path)
+    shutil.rmtree(tmp_path / "4" / "arrays")
+    with pytest.warns(UserWarning, match=r"checkpoint folder '.*4' \(step 4\) is damaged"):
+        again = _fit(optax.adam(1e-2), 6, tmp_path, resume=True)
+    assert again.step == 6 and sorted(p.name for p in tmp_path.iterdir())[-1] == "6"
+    _same_bits((again.params, again.opt_state), (whole_run.params, whole_run.opt_state))
+
+
+# --- a failed save: a clear error, no thread left, no orbax traceback ---------------------------
+
+
+async def _disk_full(self, x, directory):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("failure", ["folder replaced by a file", "disk full"])
+def test_a_failed_save_leaves_no_thread_and_prints_no_traceback(
+    tmp_path, monkeypatch, capfd, caplog, failure
+):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    with Checkpoints(tmp_path / "first", every=1) as first:  # orbax's process-wide workers start
+        first.save(1, {"params": {"w": jnp.ones(3)}, "step": 1})
+    folder = tmp_path / "ckpt"
+    ck = Checkpoints(folder, every=1, where="Trainer")
+    ck.save(1, {"params": {"w": jnp.ones(3)}, "step": 1})
+    ck.wait()
+    before = set(threading.enumerate())
+    capfd.readouterr()
+    if failure == "disk full":
+        monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", _disk_full)
+        expected = ["Trainer: saving the checkpoint of step 2", "No space left on device", "save again"]
+    else:  # replaced after the store's own check: orbax cannot make the step's folder
+        monkeypatch.setattr(_checkpoint, "_writable_folder", lambda directory, where: Path(directory))
+        shutil.rmtree(folder)
+        folder.write_text("not a folder")
+        expected = ["Trainer: saving the checkpoint of step 2", "Not a directory", "save again"]
+    with pytest.raises(RuntimeError) as info:
+        ck.save(2, {"params": {"w": jnp.ones(3)}, "step": 2})
+        ck.wait()
+    for part in expected:
+        assert part in str(info.value), str(info.value)
+    deadline = time.monotonic() + 5.0
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == set(), sorted(t.name for t in left)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "absl" not in err, err
+    assert not [r for r in caplog.records if "orbax" in r.pathname and r.levelno >= 30]
+    monkeypatch.undo()
+    if failure == "disk full":  # the store still works
+        ck.save(2, {"params": {"w": jnp.ones(3)}, "step": 2})
+        assert ck.latest() == 2
+    ck.close()
+    assert set(threading.enumerate()) <= before
+
+
+def _stage(p, x):
+    return jnp.tanh(x @ p["w"])
+
+
+def test_a_pipeline_and_an_ensemble_with_sgd_resume_bit_for_bit(tmp_path):
+    data, _ = _regression()
+    k1, k2 = jax.random.split(jax.random.key(0))
+    stages = [
+        ("dev0", _stage, {"w": jax.random.normal(k1, (4, 3))}),
+        ("dev1", _stage, {"w": jax.random.normal(k2, (3, 2))}),
+    ]
+
+    def pipe(steps, **kw):
+        p = mg.Pipeline(
+            stages,
+            loss=lambda out, y: ((out - y) ** 2).mean(),
+            microbatches=2,
+            optimizer=optax.sgd(0.1),
+            **kw,
+        )
+        p.fit(
+            (data["x"], data["y"]),
+            steps=steps,
+            batch_size=16,
+            progress=False,
+            resume="checkpoint" in kw and steps == 6,
+        )
+        if p.checkpoints is not None:
+            p.checkpoints.close()
+        return p
+
+    whole_run, _, again = (
+        pipe(6),
+        pipe(4, checkpoint=tmp_path / "pipe", every=2),
+        pipe(6, checkpoint=tmp_path / "pipe", every=2),
+    )
+    assert again.step == 6 and jax.tree.structure(again.opt_state) == jax.tree.structure(whole_run.opt_state)
+    _same_bits((again.params, again.opt_state), (whole_run.params, whole_run.opt_state))
+
+    def ensemble(steps, **kw):
+        member = mg.Member(
+            _sq_loss, optax.sgd(0.1), _regression()[1], data=data, batch_size=16, name="m", **kw
+        )
+        return mg.Ensemble({"dev0": member}).fit(
+            steps=steps, progress=False, resume="checkpoint" in kw and steps == 6
+        )["m"]
+
+    whole_m, _, again_m = (
+        ensemble(6),
+        ensemble(4, checkpoint=tmp_path / "m", every=2),
+        ensemble(6, checkpoint=tmp_path / "m", every=2),
+    )
+    assert again_m.step == 6 and len(again_m.history) == 2
+    _same_bits(again_m.params, whole_m.params)
