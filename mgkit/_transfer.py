@@ -17,6 +17,7 @@ from . import _contexts
 from ._contexts import HOST_CONTEXT, Context, resolve
 from ._errors import ContextError
 from ._ledger import Event, Kind, execution_label, ledger
+from ._static import held
 
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
 
@@ -305,7 +306,9 @@ def colocate(*trees: Any, to: str | jax.Device) -> tuple:
 
 def where(tree: Any) -> str | dict:
     """The context a pytree lives on: one name when every leaf is on the same context, else a
-    dict leaf path -> context name (``host`` for numpy)."""
+    dict leaf path -> context name (``host`` for numpy). Leaves held static (an Equinox
+    module's functions: ``mg.Trainer``) live nowhere and are left out."""
+    tree = held(tree)
     leaves, _ = leaves_of(tree, "where")
     names = [source(leaf)[0].name for leaf in leaves]
     if len(set(names)) == 1:

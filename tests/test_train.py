@@ -350,14 +350,22 @@ def _fit(**kw):
             TypeError,
             r"optax GradientTransformation.*got function",
         ),
-        (lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": 1.0}), TypeError, r"params leaf \['w'\] is a float"),
+        (
+            lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": 1.0}),
+            TypeError,
+            r"params leaf \['w'\] is a Python float \(1.0\): is it a parameter",
+        ),
         (
             lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": np.arange(3)}),
             TypeError,
             r"\['w'\] has dtype int64.*floating",
         ),
         (lambda: mg.Trainer(_loss, optax.sgd(0.1), {}), ValueError, r"params has no arrays"),
-        (lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": ["a"]}), TypeError, r"\['w'\]\[0\]"),
+        (
+            lambda: mg.Trainer(_loss, optax.sgd(0.1), {"w": ["a"]}),
+            ValueError,
+            r"params has no arrays \(its leaves \['w'\]\[0\] \(str 'a'\) are not arrays",
+        ),
         (
             lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, on_nan="ignore"),
             ValueError,

@@ -12,6 +12,7 @@ import numpy as np
 
 from .._numbers import real
 from .._spmd import Batch, Cache, Targets, fn_name, per_context, resolve
+from .._static import held, is_static
 from .._transfer import leaves_of
 
 # -- sizes ---------------------------------------------------------------------------------
@@ -231,14 +232,34 @@ def call_batch(
     {tree structure: one axis per leaf}, filled here (the axes depend only on the structure)."""
     targets = resolve(contexts, where)
     tree = (args, kwargs)
-    names = argument_names(fn, tree)
-    leaves, treedef = leaves_of(tree, where, names)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     per_leaf = memo.get(treedef)
     if per_leaf is None:
         per_leaf = _in_leaf_axes(fn, in_axes, args, kwargs, where)
         if len(memo) < 64:
             memo[treedef] = per_leaf
+    if where != "make_parallel":  # (its every argument is split: the general message says it)
+        _check_split_leaves(fn, tree, leaves, per_leaf, where)
+    hold = [ax is None and is_static(x) for x, ax in zip(leaves, per_leaf, strict=True)]
+    if any(hold):  # a shared model's functions and other objects ride in the structure
+        tree = held(tree, hold)
+        per_leaf = tuple(ax for ax, h in zip(per_leaf, hold, strict=True) if not h)
+    names = argument_names(fn, tree)
+    leaves, treedef = leaves_of(tree, where, names)
     return describe(leaves, treedef, per_leaf, targets, where, names), targets
+
+
+def _check_split_leaves(fn: Callable, tree: tuple, leaves: list, per_leaf: Sequence, where: str) -> None:
+    """A function, string or other object in an argument that is split: only arrays are."""
+    for i, (x, ax) in enumerate(zip(leaves, per_leaf, strict=True)):
+        if ax is not None and is_static(x):
+            raise TypeError(
+                f"{where}: {argument_names(fn, tree)(i)} is a {type(x).__name__} ({x!r:.40}) in an "
+                f"argument split along axis {ax}, but only arrays are split across contexts. A model "
+                "that holds functions or other objects (an Equinox module) is shared on every context: "
+                "mark its argument in_axes=None (e.g. in_axes=(None, 0)); keep other objects out of "
+                "the batch"
+            )
 
 
 def _in_leaf_axes(fn: Callable, in_axes: Any, args: tuple, kwargs: dict, where: str) -> tuple:

@@ -3,6 +3,7 @@ function, the optimizer, the parameters, the key, and what the loss function ret
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import optax
 
 from .. import _contexts
 from .._errors import ContextError
+from .._static import Model, describe, is_array
 from .._transfer import leaves_of
 
 
@@ -37,26 +39,38 @@ def check_optimizer(optimizer: Any, where: str) -> optax.GradientTransformation:
     return optimizer
 
 
-def check_params(params: Any, where: str, what: str = "params") -> None:
-    """Every leaf a floating-point array, at least one."""
-    leaves, _ = leaves_of(params, where)
-    if not leaves:
-        raise ValueError(
-            f"{where}: {what} has no arrays; give the model's parameters (a pytree of float arrays)"
-        )
-    for (path, _), leaf in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
+def check_params(params: Any, where: str, what: str = "params") -> Model:
+    """The model ``params`` as a trainer holds it (``Model``): its array leaves, each floating
+    point and at least one, are trained; its other leaves (functions, strings, other objects:
+    an Equinox module's activation) are held as given. A Python number is an error: nothing
+    says whether it is a parameter or a constant."""
+    arrays, held = 0, []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = jax.tree_util.keystr(path) or "(the params themselves)"
-        if not isinstance(leaf, np.ndarray | jax.Array):
+        if isinstance(leaf, numbers.Number) and not isinstance(leaf, np.generic):
             raise TypeError(
-                f"{where}: {what} leaf {name} is a {type(leaf).__name__} ({leaf!r}), not an array; "
-                f"make every parameter an array, e.g. jnp.asarray({leaf!r}, jnp.float32)"
+                f"{where}: {what} leaf {name} is a Python {type(leaf).__name__} ({leaf!r}): is it a "
+                f"parameter or a constant? To train it, make it an array, e.g. jnp.asarray({leaf!r}, "
+                "jnp.float32); to hold it fixed, mark it static (eqx.field(static=True) in an Equinox "
+                "module) or close over it in the function instead of keeping it in the model"
             )
+        if not is_array(leaf):
+            held.append(f"{name} ({describe(leaf)})")
+            continue
+        leaves_of(leaf, where, lambda _, name=name: f"{what} leaf {name}")  # an object array is refused
         if not np.issubdtype(leaf.dtype, np.inexact):
             raise TypeError(
                 f"{where}: {what} leaf {name} has dtype {leaf.dtype}; parameters are trained by "
                 f"gradients, so they must be floating point (e.g. .astype(jnp.float32)); keep "
                 "integer constants out of params (close over them in the function)"
             )
+        arrays += 1
+    if not arrays:
+        others = f" (its leaves {', '.join(held[:3])} are not arrays, and are held as given)" if held else ""
+        raise ValueError(
+            f"{where}: {what} has no arrays{others}; give the model's parameters (a pytree of float arrays)"
+        )
+    return Model(params)
 
 
 def check_key(key: Any, where: str) -> Any:

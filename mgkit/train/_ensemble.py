@@ -52,9 +52,10 @@ class _Runner(Checkpointing):
         self.name, self.member, self.ctx = name, member, ctx
         devices = (ctx.device,)
         rep = sharding(devices)
-        self.params = copied(member.params, rep)
+        self.params = copied(member.model.arrays, rep)  # the model's arrays
         self.opt = jax.jit(member.optimizer.init, out_shardings=rep)(self.params)
-        self.program = spmd_step(member.loss_fn, member.optimizer, member.has_aux, devices, gated=True)
+        self.loss = member.model.bind(member.loss_fn)  # loss_fn of the model's arrays
+        self.program = spmd_step(self.loss, member.optimizer, member.has_aux, devices, gated=True)
         self.alive_true = jax.device_put(jnp.asarray(True), rep)
         self._step = 0
         self._position: dict | None = None  # where the last fit of arrays stopped
@@ -110,7 +111,7 @@ class _Runner(Checkpointing):
         if not self.checked:
             m = self.member
             where = f"{_WHERE} member {self.name!r} ({self.ctx.name})"
-            check_loss_on(m.loss_fn, self.params, even, m.key, m.has_aux, where, "failed on the first batch")
+            check_loss_on(self.loss, self.params, even, m.key, m.has_aux, where, "failed on the first batch")
             self.checked = True
 
 
@@ -227,7 +228,7 @@ class Ensemble:
     @property
     def params(self) -> dict[str, Any]:
         """Member name -> its parameters after its last completed step."""
-        return {name: r.params for name, r in self._runners.items()}
+        return {name: r.member.model.join(r.params) for name, r in self._runners.items()}
 
     @property
     def opt_state(self) -> dict[str, Any]:
@@ -447,7 +448,7 @@ class Ensemble:
             f.runner.name: MemberResult(
                 f.runner.name,
                 f.runner.ctx.name,
-                f.runner.params,
+                f.runner.member.model.join(f.runner.params),
                 f.runner.opt,
                 f.runner.step,
                 f.history,

@@ -32,7 +32,8 @@ class Member:
         mean loss over the batch's rows (``loss_fn(params, batch, key)`` with a ``key``).
       optimizer: an optax ``GradientTransformation``.
       params: the initial parameters, a pytree of float arrays (copied onto the member's
-        context: yours are never donated).
+        context: yours are never donated), or a model such as an Equinox module (its leaves
+        other than arrays are held as given, as ``mg.Trainer`` holds them).
       data: arrays with rows along axis 0 (a tuple ``(X, y)``, a dict...: batched and shuffled
         by ``seed`` as ``mg.Trainer`` does), a function ``step -> batch`` or an iterable of
         batches.
@@ -77,7 +78,7 @@ class Member:
         where = "Member" if name is None else f"Member {name!r}"
         self.loss_fn = check_loss_fn(loss_fn, where)
         self.optimizer = check_optimizer(optimizer, where)
-        check_params(params, where)
+        self.model = check_params(params, where)  # its arrays, and the leaves held as given
         self.params = params
         if data is None:
             raise MissingInputError(
@@ -110,7 +111,9 @@ class Member:
             ],
         )
         on = f"fails on a batch of {rows} rows of data"
-        check_loss_on(self.loss_fn, self.params, batch, self.key, self.has_aux, where, on)
+        check_loss_on(
+            self.model.bind(self.loss_fn), self.model.arrays, batch, self.key, self.has_aux, where, on
+        )
 
     def __repr__(self) -> str:
         fn = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)

@@ -111,6 +111,8 @@ class Pipeline(Checkpointing):
     Args:
       stages: ``(context, fn, params)`` per stage, in order: ``fn(params, x) -> y``, each
         stage's output the next one's input; the first stage takes the batch's inputs.
+        ``params`` may be a model such as an Equinox module: its leaves other than arrays
+        are held as given (as ``mg.Trainer`` holds them).
       loss: ``loss(outputs, targets) -> scalar``, the mean loss over the rows of the last
         stage's outputs (it runs on the last stage's context).
       microbatches: M, the parts each batch is cut into (a batch that does not divide by M
@@ -173,9 +175,10 @@ class Pipeline(Checkpointing):
         self.contexts = tuple(c.name for c in contexts)
         warn_shared(contexts, _WHERE)
         count = len(stages)
-        self._stages = [Stage(i, c, f, count, loss, remat) for i, (c, f, _) in enumerate(stages)]
+        self._models = [m for _, _, m in stages]  # each stage's arrays and leaves held as given
+        self._stages = [Stage(i, c, m.bind(f), count, loss, remat) for i, (c, f, m) in enumerate(stages)]
         self._params = [
-            self._own(p, s, "parameters") for (_, _, p), s in zip(stages, self._stages, strict=True)
+            self._own(m.arrays, s, "parameters") for m, s in zip(self._models, self._stages, strict=True)
         ]
         self._optimizer: Any = None
         self._opt: list | None = None
@@ -196,8 +199,9 @@ class Pipeline(Checkpointing):
     @property
     def params(self) -> list:
         """Each stage's parameters, on its context (the pipeline's own arrays: ``fit`` donates
-        them; copy with ``jax.device_get`` to keep a snapshot)."""
-        return list(self._params)
+        them; copy with ``jax.device_get`` to keep a snapshot). A stage's model with leaves
+        other than arrays (an Equinox module's functions) comes back with them as given."""
+        return [m.join(p) for m, p in zip(self._models, self._params, strict=True)]
 
     @property
     def opt_state(self) -> list | None:
@@ -235,8 +239,9 @@ class Pipeline(Checkpointing):
                 f"stage (as pipe.params); got {type(p).__name__} {p!r:.80}"
             )
         out = []
-        for tree, stage in zip(p, self._stages, strict=True):
-            leaves, treedef = leaves_of(tree, f"{_WHERE}.value_and_grad: {stage.name}")
+        for tree, stage, model in zip(p, self._stages, self._models, strict=True):
+            where = f"{_WHERE}.value_and_grad: {stage.name}"
+            leaves, treedef = leaves_of(model.arrays_of(tree, where, "its parameters"), where)
             moved = place(leaves, stage.ctx, Kind.PUT, {"what": "parameters", "stage": stage.index})
             out.append(jax.tree_util.tree_unflatten(treedef, moved))
         return out

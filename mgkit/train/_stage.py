@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from .. import _contexts
+from .._static import Model
 from .._transfer import place
 from ._checks import check_params, check_scalar_loss, device_context
 
@@ -69,8 +70,9 @@ def gate(loss: jax.Array, sums: list) -> jax.Array:
     return jnp.isfinite(total)
 
 
-def read_stages(stages: Any, owner: str) -> list[tuple[_contexts.Context, Callable, Any]]:
-    """The stages as (context, fn, params), each checked."""
+def read_stages(stages: Any, owner: str) -> list[tuple[_contexts.Context, Callable, Model]]:
+    """The stages as (context, fn, model), each checked: ``model`` holds the stage's
+    parameters (its arrays) and any leaves held as given (an Equinox module's functions)."""
     if not isinstance(stages, list | tuple):
         raise TypeError(
             f"{owner}: stages must be a list of (context, fn, params), e.g. "
@@ -101,8 +103,7 @@ def read_stages(stages: Any, owner: str) -> list[tuple[_contexts.Context, Callab
                 f"{where} has no parameters; every stage trains parameters of its own: merge "
                 "a function without parameters into a neighbouring stage's fn"
             )
-        check_params(p, where)
-        out.append((ctx, fn, p))
+        out.append((ctx, fn, check_params(p, where)))
     return out
 
 

@@ -41,7 +41,9 @@ class Trainer(Checkpointing):
         ``(scalar, aux)`` with ``has_aux=True``; aux is averaged over the contexts' rows).
       optimizer: an optax ``GradientTransformation`` (``optax.adamw(1e-3)``...).
       params: the initial parameters, any pytree of float arrays (copied: the trainer's own
-        arrays are donated to each step, never yours).
+        arrays are donated to each step, never yours), or a model that is a pytree, such as an
+        Equinox module: its other leaves (functions, strings, objects) are held as given,
+        neither placed nor differentiated, as ``eqx.partition(model, eqx.is_array)`` does.
       contexts: context names, a count (the first n) or None for every context in the map.
         Distinct devices of one kind run one SPMD program per step; contexts that share a
         device or mix kinds run the gather-update-copy loop (see ``mgkit.train``).
@@ -88,7 +90,8 @@ class Trainer(Checkpointing):
         check_on_nan(on_nan, _WHERE)
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
-        check_params(params, _WHERE)
+        self._model = check_params(params, _WHERE)
+        self._loss = self._model.bind(loss_fn)  # loss_fn of the model's arrays
         self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
         self.on_nan, self.balance = on_nan, balance
         self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
@@ -102,15 +105,15 @@ class Trainer(Checkpointing):
         self.history: History | None = None
         self._checked: set = set()
         if self.spmd:
-            self._params = copied(params, sharding(devices))
+            self._params = copied(self._model.arrays, sharding(devices))
             self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
-            self._program = spmd_step(loss_fn, optimizer, self.has_aux, devices)
+            self._program = spmd_step(self._loss, optimizer, self.has_aux, devices)
             self._replicas: list = []
         else:
             first = jax.sharding.SingleDeviceSharding(devices[0])
-            self._params = copied(params, first)
+            self._params = copied(self._model.arrays, first)
             self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
-            self._program = LoopStep(loss_fn, optimizer, self.has_aux, self.targets)
+            self._program = LoopStep(self._loss, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
         self._weights: tuple[float, ...] | None = None
         self.checkpoints: Checkpoints | None = None
@@ -122,12 +125,14 @@ class Trainer(Checkpointing):
     @property
     def params(self) -> Any:
         """The parameters after the last completed step (the trainer's own arrays: the next fit
-        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot)."""
-        return self._params
+        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot). A model with
+        leaves other than arrays (an Equinox module's activation) comes back with them as given."""
+        return self._model.join(self._params)
 
     @property
     def opt_state(self) -> Any:
-        """The optimizer state after the last completed step."""
+        """The optimizer state after the last completed step (of the model's arrays, as
+        ``optimizer.init(eqx.filter(model, eqx.is_array))`` would make it)."""
         return self._opt
 
     @property
@@ -150,12 +155,15 @@ class Trainer(Checkpointing):
 
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
             leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
+            arrays = self._model.arrays_of(params, "Trainer.step_fn", "params")
             if self.spmd:
                 even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
-                return self._program(params, opt_state, even, rest, key)
-            sizes = shares(n, k, self._weights)
-            parts = place_parts(leaves, treedef, self.targets, sizes)
-            return self._program(self._copies(params), opt_state, parts, sizes, key)[1]
+                out = self._program(arrays, opt_state, even, rest, key)
+            else:
+                sizes = shares(n, k, self._weights)
+                parts = place_parts(leaves, treedef, self.targets, sizes)
+                out = self._program(self._copies(arrays), opt_state, parts, sizes, key)[1]
+            return out._replace(params=self._model.join(out.params))
 
         return step_fn
 
@@ -208,7 +216,7 @@ class Trainer(Checkpointing):
         structure = jax.tree_util.tree_structure(batch)
         if structure not in self._checked:
             check_loss_on(
-                self.loss_fn,
+                self._loss,
                 self._params,
                 batch,
                 self._key,
