@@ -107,7 +107,7 @@ def draw_memory(ax, bars: Sequence[MemoryBar]) -> None:
     if kinds == {"live"}:
         label = f"bytes held by live jax arrays (bar: share of the largest, {human_bytes(top)})"
     elif kinds == {"limit"} or not kinds:
-        label = "memory in use / limit (device allocator)"
+        label = "memory in use / limit (device allocator, or live arrays / simulated limit)"
     else:
         label = "in use / limit (allocator), or live arrays / the largest (no statistics)"
     ax.set_xlabel(label, fontsize=8)
