@@ -79,6 +79,7 @@ __all__ = [
     "Pipeline",
     "Prefetch",
     "Schedule",
+    "ShardingView",
     "StallWarning",
     "ThroughputView",
     "Trainer",
@@ -104,6 +105,7 @@ __all__ = [
     "prefetch",
     "put",
     "run_each",
+    "show_sharding",
     "simulate",
     "split",
     "synchronize",
@@ -119,8 +121,10 @@ _LAZY = {
     "DeviceMap": ".views",
     "LaunchView": ".views",
     "Schedule": ".views",
+    "ShardingView": ".views",
     "ThroughputView": ".views",
     "TransferView": ".views",
+    "show_sharding": ".views",
 }
 
 
