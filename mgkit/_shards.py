@@ -57,7 +57,7 @@ class Layout(NamedTuple):
 
     path: str  # where the leaf is in the pytree (``['w']``), or "(the value itself)"
     shape: tuple[int, ...]  # the leaf's shape
-    dtype: np.dtype  # the leaf's dtype
+    dtype: Any  # the leaf's dtype: a numpy dtype, or JAX's dtype of PRNG keys (``key<fry>``)
     sharding: str  # the sharding in short: ``P('x', None) on mesh x=4, y=2``, ``one device``
     parts: tuple[int, ...]  # blocks along each dimension (1: the dimension is whole)
     axes: tuple[tuple[str, ...], ...]  # the mesh axes each dimension is split over
@@ -118,16 +118,25 @@ def layouts(tree: Any, where: str = WHERE) -> list[Layout]:
             f"{where}: {type(tree).__name__} {tree!r} has no leaves to show; give a jax array, a "
             f"pytree of them, or shapes with shardings ({_EXAMPLE})"
         )
-    return [layout(leaf, path, where) for path, leaf in zip(leaf_paths(tree), leaves, strict=True)]
+    seen: dict[tuple, Layout] = {}  # leaves of one shape, dtype and sharding share their blocks
+    out = []
+    for path, leaf in zip(leaf_paths(tree), leaves, strict=True):
+        sharding = _sharding_of(leaf, path, where)
+        key = (tuple(leaf.shape), leaf.dtype, sharding)
+        lay = seen.get(key)
+        if lay is None:
+            lay = seen[key] = layout(leaf, path, where)
+        out.append(lay._replace(path=path))
+    return out
 
 
 def layout(leaf: Any, path: str = "(the value itself)", where: str = WHERE) -> Layout:
     """The ``Layout`` of one jax array or ``jax.ShapeDtypeStruct`` with a sharding."""
     sharding = _sharding_of(leaf, path, where)
     shape = tuple(int(n) for n in leaf.shape)
-    dtype = np.dtype(leaf.dtype)
+    dtype = leaf.dtype  # has .name and .itemsize, PRNG keys' too
     if isinstance(sharding, NamedSharding):
-        return _named_layout(path, shape, dtype, sharding, where)
+        return _named_layout(path, shape, dtype, sharding)
     return _mapped_layout(path, shape, dtype, sharding)
 
 
@@ -169,10 +178,13 @@ def _sharding_of(leaf: Any, path: str, where: str) -> Sharding:
             "jax.eval_shape(jitted_function, ...)"
         )
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-        sharding = getattr(leaf, "sharding", None)
+        try:
+            sharding = leaf.sharding
+        except (TypeError, ValueError) as e:  # a PartitionSpec with no mesh set (jax >= 0.11)
+            raise ValueError(f"{what}: its sharding cannot be read: {e}") from None
         if isinstance(sharding, Sharding):
             return sharding
-        shown = f"{np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+        shown = f"{leaf.dtype.name}{list(leaf.shape)}"
         raise ValueError(
             f"{what} ({type(leaf).__name__} {shown}) has no sharding; expected a jax array or a "
             f"jax.ShapeDtypeStruct with a sharding: {_EXAMPLE}; jax.eval_shape gives one for a "
@@ -203,18 +215,11 @@ def _spec_text(spec: Any, rank: int) -> str:
     return "P(" + ", ".join(repr(e) for e in entries) + ")"
 
 
-def _named_layout(
-    path: str, shape: tuple[int, ...], dtype: np.dtype, sharding: NamedSharding, where: str
-) -> Layout:
+def _named_layout(path: str, shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Layout:
     """A NamedSharding's blocks from its mesh's shape and its PartitionSpec (no devices needed)."""
     mesh, spec = sharding.mesh, sharding.spec
     names = tuple(mesh.axis_names)
     sizes = tuple(int(mesh.shape[n]) for n in names)
-    if len(spec) > len(shape):
-        raise ValueError(
-            f"{where}: leaf {path} has {len(shape)} dimension(s), shape {shape}, but its sharding's "
-            f"PartitionSpec {spec} names {len(spec)}; give a spec with at most one entry per dimension"
-        )
     axes = tuple(_split_axes(e) for e in spec) + ((),) * (len(shape) - len(spec))
     parts = tuple(math.prod(sizes[names.index(a)] for a in ax) for ax in axes)
     shard = tuple(-(-n // k) for n, k in zip(shape, parts, strict=True))
@@ -254,7 +259,7 @@ def _labels(mesh: Any, n: int) -> tuple[list[str], list[jax.Device | None]]:
     return [_contexts.name_of(d) for d in devices], devices
 
 
-def _mapped_layout(path: str, shape: tuple[int, ...], dtype: np.dtype, sharding: Sharding) -> Layout:
+def _mapped_layout(path: str, shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> Layout:
     """Any other sharding's blocks, from ``devices_indices_map`` (its devices are real)."""
     mapping = sharding.devices_indices_map(shape)
     bounds = {d: tuple(s.indices(n)[:2] for s, n in zip(i, shape, strict=True)) for d, i in mapping.items()}

@@ -182,6 +182,13 @@ def test_a_leaf_of_10_to_the_12_elements_over_512_devices_is_fast():
     assert len(text.splitlines()) < 20
 
 
+def test_prng_keys_count_their_bytes():
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(_mesh((8,), ("x",)), P("x")))
+    [lay] = _shards.layouts(keys)
+    assert lay.nbytes == keys.nbytes == 64 and lay.shard_bytes == 8
+    assert "key<fry>[8]  64 B" in repr(mg.show_sharding(keys, widget=False))
+
+
 def test_shapes_from_eval_shape_of_a_jitted_function():
     s = NamedSharding(_mesh((8,), ("x",)), P("x"))
     shapes = jax.eval_shape(jax.jit(lambda: {"w": jnp.zeros((64, 4))}, out_shardings={"w": s}))
@@ -290,3 +297,13 @@ def test_eval_shape_without_out_shardings_has_no_sharding():
         ValueError, match=r"\(the value itself\) \(ShapeDtypeStruct float32\[4\]\) has no sharding"
     ):
         mg.show_sharding(shapes)
+
+
+def test_a_sharding_that_cannot_be_read_is_named():
+    class NoMesh(jax.ShapeDtypeStruct):  # jax >= 0.11: a PartitionSpec with no mesh set raises
+        @property
+        def sharding(self):
+            raise TypeError("the context mesh cannot be empty")
+
+    with pytest.raises(ValueError, match=r"leaf \['w'\]: its sharding cannot be read: the context mesh"):
+        mg.show_sharding({"w": NoMesh((2,), jnp.float32)})
