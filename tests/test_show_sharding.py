@@ -220,7 +220,7 @@ def test_widget_html_and_text(monkeypatch):
     assert "application/vnd.jupyter.widget-view+json" in bundle and bundle["text/plain"] == repr(view)
     page = view.widget.children[0].value
     assert "<svg" in page and "stroke-dasharray" in page  # the padding of the short block is dashed
-    ET.fromstring(view.svg(view.layouts[0], view._grids[0]))  # well-formed SVG
+    ET.fromstring(view.svg(view._grids[0]))  # well-formed SVG
     assert "per context</caption>" in page and "dev1" in page
     text_view = mg.show_sharding(tree, widget=False)
     assert text_view.widget is None and set(text_view._repr_mimebundle_()) == {"text/plain", "text/html"}

@@ -288,10 +288,12 @@ def draw_tiles(
     from matplotlib.patches import Rectangle
 
     for t in tiles:
-        if t.width < 1 or t.height < 1:
+        full = t.width == 1 and t.height == 1
+        if not full:
             ax.add_patch(Rectangle((t.col, t.row), 1, 1, fill=False, linestyle="--", edgecolor="#999"))
         ax.add_patch(Rectangle((t.col, t.row), t.width, t.height, facecolor=t.color, edgecolor="white"))
-        ax.text(t.col + 0.5, t.row + 0.5, t.label, ha="center", va="center", fontsize=7, color="white")
+        color = "white" if full else "#333"
+        ax.text(t.col + 0.5, t.row + 0.5, t.label, ha="center", va="center", fontsize=7, color=color)
     ax.set_xlim(0, max(len(cols), 1))
     ax.set_ylim(max(len(rows), 1), 0)
     ax.set_xticks([j + 0.5 for j in range(len(cols))], list(cols), fontsize=7)

@@ -26,7 +26,7 @@ from ._png import Tile, draw_tiles
 _CAP = 8  # blocks drawn along an axis; more are elided in the middle
 _GRIDS = 8  # leaves drawn as a grid; the leaf table lists every leaf
 _CONTEXT_ROWS = 16  # rows of the context table; more are summarised in one row
-_CELL_W, _CELL_H, _LEFT, _HEAD = 70, 22, 90, 20  # the SVG grid's cell size and margins, pixels
+_CHAR_W, _CELL_H, _HEAD = 6.2, 22, 20  # the SVG grid: pixels per character, row height, header
 
 
 class Axis(NamedTuple):
@@ -158,6 +158,46 @@ def _limit_text(row: _shards.ContextBytes) -> str:
     return f"{100 * row.nbytes / limit:.1f}% of {human_bytes(limit)}" if limit else ""
 
 
+def grid_svg(g: Grid, colors: dict[str, str]) -> str:
+    """A leaf's grid as SVG: a cell per block, coloured by its first context (``colors``), the
+    padding of a short block (past the leaf's end) dashed. Columns are as wide as their labels."""
+    cell_w = max(48, _CHAR_W * max(len(t) for t in (*g.cols.labels, *map(who, sum(g.cells, ())))) + 12)
+    left = _CHAR_W * max(len(t) for t in (*g.rows.labels, g.corner)) + 10
+    esc = html.escape
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + cell_w * len(g.cols.blocks) + 4:.0f}" '
+        f'height="{_HEAD + _CELL_H * len(g.rows.blocks) + 4}" font-family="sans-serif" font-size="10">',
+        f'<text x="2" y="13" fill="#666">{esc(g.corner)}</text>',
+    ]
+    for j, label in enumerate(g.cols.labels):
+        out.append(
+            f'<text x="{left + cell_w * (j + 0.5):.0f}" y="13" text-anchor="middle">{esc(label)}</text>'
+        )
+    for i, (label, row) in enumerate(zip(g.rows.labels, g.cells, strict=True)):
+        y = _HEAD + _CELL_H * i
+        out.append(f'<text x="{left - 4:.0f}" y="{y + 15}" text-anchor="end">{esc(label)}</text>')
+        for j, contexts in enumerate(row):
+            x, full = left + cell_w * j, g.cols.filled[j] == 1 and g.rows.filled[i] == 1
+            text = esc(who(contexts)) if contexts else "..."
+            if contexts and not full:
+                out.append(
+                    f'<rect x="{x + 1:.0f}" y="{y + 1}" width="{cell_w - 2:.0f}" height="{_CELL_H - 2}" '
+                    'fill="none" stroke="#999" stroke-dasharray="3,2"/>'
+                )
+            if contexts:
+                w, h = (cell_w - 2) * g.cols.filled[j], (_CELL_H - 2) * g.rows.filled[i]
+                tip = esc(f"{label} x {g.cols.labels[j]}: {', '.join(contexts)}")
+                out.append(
+                    f'<rect x="{x + 1:.0f}" y="{y + 1}" width="{w:.1f}" height="{h:.1f}" '
+                    f'fill="{colors[contexts[0]]}" stroke="white"><title>{tip}</title></rect>'
+                )
+            fill = "white" if contexts and full else "#333"
+            mid = x + cell_w / 2
+            out.append(f'<text x="{mid:.0f}" y="{y + 15}" text-anchor="middle" fill="{fill}">{text}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
 class ShardingView(LiveView):
     """Where every block of a pytree of sharded arrays (or shapes with shardings) lives.
 
@@ -254,48 +294,9 @@ class ShardingView(LiveView):
             out.append(self._more())
         return "\n".join(out)
 
-    def svg(self, lay: _shards.Layout, g: Grid) -> str:
-        """One leaf's grid as SVG: a cell per block, coloured by its first context, its padding
-        (the part of a short block past the leaf's end) dashed."""
-        color = self._colors
-        width = _LEFT + _CELL_W * len(g.cols.blocks) + 4
-        height = _HEAD + _CELL_H * len(g.rows.blocks) + 4
-        esc = html.escape
-        out = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            'font-family="sans-serif" font-size="10">',
-            f'<text x="2" y="13" fill="#666">{esc(g.corner)}</text>',
-        ]
-        for j, label in enumerate(g.cols.labels):
-            x = _LEFT + _CELL_W * (j + 0.5)
-            out.append(f'<text x="{x:.0f}" y="13" text-anchor="middle">{esc(label)}</text>')
-        for i, (label, row) in enumerate(zip(g.rows.labels, g.cells, strict=True)):
-            y = _HEAD + _CELL_H * i
-            out.append(f'<text x="{_LEFT - 4}" y="{y + 15}" text-anchor="end">{esc(label)}</text>')
-            for j, contexts in enumerate(row):
-                x = _LEFT + _CELL_W * j
-                if not contexts:
-                    out.append(
-                        f'<text x="{x + _CELL_W / 2:.0f}" y="{y + 15}" text-anchor="middle">...</text>'
-                    )
-                    continue
-                w, h = (_CELL_W - 2) * g.cols.filled[j], (_CELL_H - 2) * g.rows.filled[i]
-                tip = f"{label} x {g.cols.labels[j]}: {', '.join(contexts)}"
-                if w < _CELL_W - 2 or h < _CELL_H - 2:
-                    out.append(
-                        f'<rect x="{x + 1}" y="{y + 1}" width="{_CELL_W - 2}" height="{_CELL_H - 2}" '
-                        'fill="none" stroke="#999" stroke-dasharray="3,2"/>'
-                    )
-                out.append(
-                    f'<rect x="{x + 1}" y="{y + 1}" width="{w:.1f}" height="{h:.1f}" '
-                    f'fill="{color[contexts[0]]}" stroke="white"><title>{esc(tip)}</title></rect>'
-                )
-                out.append(
-                    f'<text x="{x + _CELL_W / 2:.0f}" y="{y + 15}" text-anchor="middle" fill="white">'
-                    f"{esc(who(contexts))}</text>"
-                )
-        out.append("</svg>")
-        return "".join(out)
+    def svg(self, g: Grid) -> str:
+        """One leaf's grid as SVG (``grid_svg``), in the view's colours."""
+        return grid_svg(g, self._colors)
 
     def html(self) -> str:
         esc = html.escape
@@ -307,7 +308,7 @@ class ShardingView(LiveView):
             head = f"{lay.path}  {_type_text(lay)}  {human_bytes(lay.nbytes)}  {lay.sharding}"
             out.append(f'<div style="margin-top:8px"><code>{esc(head)}</code></div>')
             out.append(f"<div>{esc('; '.join(marks(lay)))}; {human_bytes(lay.shard_bytes)} per context</div>")
-            out.append(self.svg(lay, g))
+            out.append(self.svg(g))
             if g.note:
                 out.append(f'<div style="font-size:11px;color:#666">{esc(g.note)}</div>')
         if self._more():
