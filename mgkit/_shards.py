@@ -158,12 +158,17 @@ def bytes_per_context(tree: Any, where: str = WHERE) -> list[ContextBytes]:
 
 def context_bytes(lays: Sequence[Layout]) -> list[ContextBytes]:
     """``bytes_per_context`` from layouts already computed."""
-    held: dict[str, list] = {}
+    groups: dict[int, list] = {}  # leaves laid out alike share one tuple of places: sum them first
     for lay in lays:
-        for place in lay.places:
+        group = groups.setdefault(id(lay.places), [lay.places, 0, 0])
+        group[1] += lay.shard_bytes
+        group[2] += 1
+    held: dict[str, list] = {}
+    for places, nbytes, leaves in groups.values():
+        for place in places:
             row = held.setdefault(place.context, [place.device, 0, 0])
-            row[1] += lay.shard_bytes
-            row[2] += 1
+            row[1] += nbytes
+            row[2] += leaves
     rows = [ContextBytes(name, device, n, k) for name, (device, n, k) in held.items()]
     return sorted(rows, key=lambda r: (r.device is None, 0 if r.device is None else r.device.id))
 
