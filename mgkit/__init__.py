@@ -15,6 +15,7 @@ from ._contexts import ContextMap as ContextMap
 from ._contexts import context_map as context_map
 from ._contexts import current as current
 from ._contexts import device_of as device_of
+from ._contexts import memory_limit as memory_limit
 from ._contexts import on as on
 from ._contexts import use_contexts as use_contexts
 from ._devices import DeviceInfo as DeviceInfo
@@ -78,6 +79,7 @@ __all__ = [
     "Pipeline",
     "Prefetch",
     "Schedule",
+    "ShardingView",
     "StallWarning",
     "ThroughputView",
     "Trainer",
@@ -96,12 +98,14 @@ __all__ = [
     "ledger",
     "logreg",
     "make_parallel",
+    "memory_limit",
     "on",
     "parallel",
     "pmap",
     "prefetch",
     "put",
     "run_each",
+    "show_sharding",
     "simulate",
     "split",
     "synchronize",
@@ -117,8 +121,10 @@ _LAZY = {
     "DeviceMap": ".views",
     "LaunchView": ".views",
     "Schedule": ".views",
+    "ShardingView": ".views",
     "ThroughputView": ".views",
     "TransferView": ".views",
+    "show_sharding": ".views",
 }
 
 

@@ -434,6 +434,23 @@ def current() -> str | None:
     return on_device[0].name if on_device else None
 
 
+def memory_limit(where: str | jax.Device) -> int | None:
+    """The byte limit of a context's device: its allocator's where the device reports one (GPUs,
+    TPUs), else the limit ``mg.simulate(n, memory=...)`` gave CPU devices, else None.
+
+    Args:
+      where: a context name (``"dev0"``), a device name (``"cpu3"``) or a jax.Device
+        (``"cpu"`` / ``"host"``, host memory, has no limit: None).
+
+    >>> import mgkit as mg
+    >>> _ = mg.use_contexts("dev0->cpu0", verbose=False)
+    >>> mg.memory_limit("dev0") is None or mg.memory_limit("dev0") > 0
+    True
+    """
+    device = resolve(where, "memory_limit").device
+    return None if device is None else _devices.memory_limit(device)
+
+
 _INCOMPATIBLE = re.compile(r"argument (\S+) of (\S+) with shape (\S+) and with device ids \[([\d, ]+)\]")
 
 

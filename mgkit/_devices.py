@@ -1,4 +1,5 @@
-"""Devices: stable short names (cpu0, cuda0, tpu0), the device table, and simulated CPU devices."""
+"""Devices: stable short names (cpu0, cuda0, tpu0), the device table, and simulated CPU devices
+(with a memory limit of their own, if given)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import jax
 
 from ._errors import ContextError
-from ._numbers import whole
+from ._numbers import nbytes, whole
 from ._table import Table, human_bytes
 
 # Platforms whose devices get short names, in display order (accelerators first).
@@ -41,11 +42,17 @@ def backend_started() -> bool:
     return bool(check())
 
 
-def simulate(n: int) -> None:
+def simulate(n: int, memory: int | str | None = None) -> None:
     """Gives JAX ``n`` CPU devices to work with, for multi-device code on a machine without GPUs.
 
     Must run before the first JAX operation. Calling it again with the count already in
-    effect does nothing; any other count after JAX started raises ``RuntimeError``.
+    effect does nothing (but set ``memory``); any other count after JAX started raises
+    ``RuntimeError``.
+
+    ``memory`` gives each CPU device a byte limit, so a laptop can rehearse a machine of 8 x 80 GB
+    GPUs: the device table, the device map and the dashboard's memory bars show the bytes of the
+    live arrays on each device against it, and ``mg.memory_limit`` returns it. It is a figure
+    mgkit reports and plans with; XLA does not enforce it.
 
     Simulated devices share the host's cores, and XLA's CPU runtime can deadlock when two
     programs with collectives (a ``psum``, the mean of a sharded array, a data-parallel
@@ -55,24 +62,47 @@ def simulate(n: int) -> None:
 
     Args:
       n: number of CPU devices, at least 1.
+      memory: each CPU device's byte limit: a number of bytes or a size such as ``"16GiB"``,
+        ``"16 GB"``, ``"512MiB"``; None leaves the limit as it is (none, unless set before or by
+        ``MGKIT_SIMULATE_MEMORY``).
 
     >>> import mgkit as mg
     >>> mg.simulate(8)
+    >>> mg.simulate(8, memory="80GiB")  # rehearse 8 x 80 GiB   # doctest: +SKIP
     """
     n = whole(n, "n", "simulate", lo=1, example=8, note="the number of CPU devices")
+    limit = None if memory is None else nbytes(memory, "memory", "simulate", example="16GiB")
     if not backend_started():
         jax.config.update("jax_num_cpu_devices", n)
         _clear_caches()
-        return
-    have = len(jax.devices("cpu"))
-    if have == n:
-        return
-    raise RuntimeError(
-        f"mg.simulate({n}) came too late: JAX has already started with {have} CPU device(s), and the "
-        "CPU device count can only be set before the first JAX operation. To fix it: restart the "
-        f"kernel and call mg.simulate({n}) right after `import mgkit`, before any array is made; "
-        f"or set MGKIT_SIMULATE={n} in the environment; or run the code in a fresh process."
-    )
+    elif len(jax.devices("cpu")) != n:
+        have = len(jax.devices("cpu"))
+        raise RuntimeError(
+            f"mg.simulate({n}) came too late: JAX has already started with {have} CPU device(s), and "
+            "the CPU device count can only be set before the first JAX operation. To fix it: restart "
+            f"the kernel and call mg.simulate({n}) right after `import mgkit`, before any array is "
+            f"made; or set MGKIT_SIMULATE={n} in the environment; or run the code in a fresh process."
+        )
+    if limit is not None:
+        _set_simulated_limit(limit)
+
+
+# The byte limit given to CPU devices by ``simulate(n, memory=...)`` (None: none given).
+_simulated_limit: int | None = None
+
+
+def _set_simulated_limit(limit: int) -> None:
+    global _simulated_limit
+    _simulated_limit = limit
+
+
+def memory_limit(device: jax.Device) -> int | None:
+    """A device's byte limit: its allocator's where it reports one, else the limit
+    ``simulate(n, memory=...)`` gave CPU devices, else None."""
+    limit = memory_stats(device).get("bytes_limit")
+    if limit is None and device.platform == "cpu":
+        return _simulated_limit
+    return limit
 
 
 def _clear_caches() -> None:
@@ -247,7 +277,8 @@ def memory_usage(
 ) -> dict[jax.Device, tuple[int | None, int | None, str | None]]:
     """(bytes in use, byte limit, source) per device: the device's allocator statistics where it
     reports them (source ``ALLOCATOR``), else the bytes of its live jax arrays with no limit
-    (source ``LIVE_ARRAYS``). ``live`` returns the live arrays' bytes per device (default
+    (source ``LIVE_ARRAYS``), against the limit ``simulate(n, memory=...)`` gave CPU devices if
+    any. ``live`` returns the live arrays' bytes per device (default
     ``live_array_bytes``; a live view passes a cached one); it is called at most once, and only
     when some device reports no statistics."""
     out: dict[jax.Device, tuple[int | None, int | None, str | None]] = {}
@@ -261,25 +292,29 @@ def memory_usage(
             continue
         if held is None:
             held = (live or live_array_bytes)()
-        out[device] = (held.get(device, 0), None, LIVE_ARRAYS)
+        out[device] = (held.get(device, 0), memory_limit(device), LIVE_ARRAYS)
     return out
 
 
 def memory_text(used: int | None, limit: int | None, source: str | None) -> str:
-    """``1.0 GiB / 4.0 GiB (25%)``, ``12.0 MiB (live arrays)``, or ``n/a``."""
+    """``1.0 GiB / 4.0 GiB (25%)``, ``12.0 MiB (live arrays)``, ``12.0 MiB / 16.0 GiB (0%, live
+    arrays)`` (a simulated limit), or ``n/a``."""
     if used is None and limit is None:
         return "n/a"
     used_s = "?" if used is None else human_bytes(used)
     if source == LIVE_ARRAYS and limit is None:
         return f"{used_s} ({LIVE_ARRAYS})"
     limit_s = "?" if limit is None else human_bytes(limit)
-    share = f" ({100 * used / limit:.0f}%)" if used is not None and limit else ""
-    return f"{used_s} / {limit_s}{share}"
+    share = f"{100 * used / limit:.0f}%" if used is not None and limit else ""
+    if source == LIVE_ARRAYS:
+        share = f"{share}, {LIVE_ARRAYS}"
+    return f"{used_s} / {limit_s}" + (f" ({share})" if share else "")
 
 
 MEMORY_NOTE = (
     "memory: the device's allocator statistics where it reports them (in use / limit), else "
-    "the bytes held by live jax arrays on it (live arrays; no limit known)"
+    "the bytes held by live jax arrays on it (live arrays; no limit known, or the limit "
+    "mg.simulate(n, memory=...) gave)"
 )
 
 
@@ -341,8 +376,13 @@ def devices() -> DeviceTable:
 
 
 def simulate_from_env() -> None:
-    """Applies MGKIT_SIMULATE=n from the environment, if set."""
+    """Applies MGKIT_SIMULATE=n and MGKIT_SIMULATE_MEMORY=size (e.g. ``16GiB``) from the
+    environment, if set."""
     value = os.environ.get("MGKIT_SIMULATE", "").strip()
+    memory = os.environ.get("MGKIT_SIMULATE_MEMORY", "").strip()
+    limit = nbytes(memory, "MGKIT_SIMULATE_MEMORY", "environment", example="16GiB") if memory else None
+    if limit is not None:
+        _set_simulated_limit(limit)
     if not value:
         return
     try:

@@ -1,11 +1,12 @@
 """Checks of number arguments, written once: a real or whole number (never a bool), finite, in a
-range. Every message names the call, the parameter, the value given, what was expected and an
-example that works."""
+range; a size in bytes (``"16GiB"``). Every message names the call, the parameter, the value given,
+what was expected and an example that works."""
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any
 
 
@@ -94,3 +95,40 @@ def whole(
             f"{where}: {name}={value!r} is out of range; {name} must be {what}, e.g. {name}={example!r}"
         )
     return v
+
+
+# Byte units a size may carry: decimal (kB = 1000 B) and binary (KiB = 1024 B), any case.
+_SIZE_UNITS = {"": 1, "b": 1}
+for _i, _prefix in enumerate("kmgtp", start=1):
+    _SIZE_UNITS[f"{_prefix}b"] = 1000**_i
+    _SIZE_UNITS[f"{_prefix}ib"] = 1024**_i
+_SIZE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def nbytes(value: Any, name: str, where: str, *, example: str = "16GiB") -> int:
+    """``value`` as a whole number of bytes, above 0: a number of bytes (``2**30``) or a string
+    with a unit (``"16GiB"``, ``"16 GB"``, ``"512MiB"``, ``"1.5e9"``; KiB/MiB/GiB/TiB are powers of
+    1024, kB/MB/GB/TB powers of 1000, any case). Else a TypeError or ValueError that names
+    ``where``, ``name`` and the value, and shows ``example``.
+
+    >>> nbytes("16GiB", "memory", "simulate")
+    17179869184
+    >>> nbytes("512 MB", "limit", "fits")
+    512000000
+    """
+    what = "a size in bytes above 0: a number, or a string with a unit (B, kB, MB, GB, KiB, MiB, GiB, ...)"
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        scale = _SIZE_UNITS.get(m.group(2).lower()) if m else None
+        if scale is None:
+            raise ValueError(
+                f"{where}: {name}={value!r} is not a size; {name} must be {what}, e.g. {name}={example!r}"
+            )
+        size = float(m.group(1)) * scale
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        size = float(value)
+    else:
+        raise TypeError(_wrong_type(value, name, where, what, example))
+    if not math.isfinite(size) or size < 1:
+        raise ValueError(_out_of_range(value, name, where, what, example))
+    return round(size)

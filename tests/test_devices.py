@@ -171,3 +171,71 @@ def test_bad_mgkit_simulate_environment_variable():
 def test_simulate_bad_arguments(n, error, message):
     with pytest.raises(error, match=message):
         mg.simulate(n)
+
+
+def test_simulate_memory_gives_cpu_devices_a_limit_the_tables_and_memory_limit_report():
+    r = run_python(
+        """
+        import mgkit as mg, numpy as np
+        mg.simulate(4, memory="1GiB")
+        x = mg.put(np.ones((256, 1024), np.float32), "cpu1")
+        print(mg.memory_limit("cpu1"), mg.memory_limit("host"))
+        print(mg.devices()["cpu1"].memory_limit, mg.devices()["cpu1"].memory_in_use)
+        print(mg.DeviceMap(widget=False).rows()[1].limit)
+        print(mg.DeviceMap(widget=False))
+        mg.simulate(4, memory="16 GB")  # the count in effect: only the limit changes
+        print(mg.memory_limit("dev0"))
+        mg.simulate(4)  # no memory: the limit stays
+        print(mg.memory_limit("dev0"))
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[:3] == ["1073741824 None", f"{2**30} {2**20}", str(2**30)]
+    assert "  dev1   cpu1    cpu       cpu   1.0 MiB / 1.0 GiB (0%, live arrays)" in r.stdout
+    assert lines[-2:] == ["16000000000", "16000000000"]
+
+
+def test_simulate_memory_from_the_environment():
+    env = {"MGKIT_SIMULATE": "2", "MGKIT_SIMULATE_MEMORY": "512MiB"}
+    r = run_python("import mgkit as mg; print(mg.memory_limit('cpu1'), len(mg.devices()))", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(512 * 2**20), "2"]
+    r = run_python("import mgkit", env={"MGKIT_SIMULATE_MEMORY": "512Mo"})
+    assert r.returncode != 0
+    assert "MGKIT_SIMULATE_MEMORY='512Mo' is not a size" in r.stderr
+    assert "e.g. MGKIT_SIMULATE_MEMORY='16GiB'" in r.stderr
+
+
+def test_no_simulated_limit_by_default():
+    from mgkit import _devices
+
+    assert mg.memory_limit("dev0") is None and mg.memory_limit(jax.devices()[3]) is None
+    assert _devices.memory_text(2**20, 2**30, "live arrays") == "1.0 MiB / 1.0 GiB (0%, live arrays)"
+
+
+@pytest.mark.parametrize(
+    ("memory", "error", "message"),
+    [
+        ("16 gigs", ValueError, "simulate: memory='16 gigs' is not a size; memory must be a size in bytes"),
+        (0, ValueError, "simulate: memory=0 is out of range"),
+        (-5, ValueError, "simulate: memory=-5 is out of range"),
+        ([16], TypeError, "simulate: memory must be a size in bytes above 0.*got list"),
+    ],
+)
+def test_simulate_bad_memory(memory, error, message):
+    with pytest.raises(error, match=message) as info:
+        mg.simulate(8, memory=memory)
+    assert "e.g. memory='16GiB'" in str(info.value)
+    assert mg.memory_limit("dev0") is None  # nothing was set
+
+
+def test_simulate_too_late_sets_no_memory():
+    with pytest.raises(RuntimeError, match="already started with 8 CPU device"):
+        mg.simulate(2, memory="1GiB")
+    assert mg.memory_limit("dev0") is None
+
+
+def test_memory_limit_unknown_context():
+    with pytest.raises(mg.ContextError, match="memory_limit: unknown context 'dev9'; the contexts are dev0"):
+        mg.memory_limit("dev9")

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from mgkit._numbers import real, whole
+from mgkit._numbers import nbytes, real, whole
 
 
 @pytest.mark.parametrize("good", [0.5, 1, np.float32(2.0), np.int64(3)])
@@ -61,3 +61,44 @@ def test_whole_rejects_with_a_message_naming_the_value(bad, error, message):
 
 def test_whole_accepts_numpy_integers():
     assert whole(np.int32(7), "n", "simulate", lo=1) == 7
+
+
+@pytest.mark.parametrize(
+    ("good", "expected"),
+    [
+        ("16GiB", 16 * 2**30),
+        ("16 GB", 16 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("512 mib", 512 * 2**20),
+        ("1.5 KiB", 1536),
+        ("2TB", 2 * 10**12),
+        ("1e9", 10**9),
+        ("4096", 4096),
+        ("100 B", 100),
+        (2**30, 2**30),
+        (np.int64(80), 80),
+        (1.5e9, 1_500_000_000),
+    ],
+)
+def test_nbytes_reads_sizes_with_units(good, expected):
+    assert nbytes(good, "memory", "simulate") == expected
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "message"),
+    [
+        ("16 gigs", ValueError, "simulate: memory='16 gigs' is not a size; memory must be a size in bytes"),
+        ("GiB", ValueError, "memory='GiB' is not a size"),
+        ("", ValueError, "memory='' is not a size"),
+        ("-1GiB", ValueError, "memory='-1GiB' is not a size"),
+        (0, ValueError, "simulate: memory=0 is out of range; memory must be a size in bytes above 0"),
+        (math.inf, ValueError, "memory=inf is out of range"),
+        (True, TypeError, "simulate: memory must be a size in bytes above 0"),
+        (None, TypeError, "got NoneType None"),
+    ],
+)
+def test_nbytes_rejects_with_a_message_naming_the_value_and_an_example(bad, error, message):
+    with pytest.raises(error) as info:
+        nbytes(bad, "memory", "simulate")
+    assert message in str(info.value)
+    assert "e.g. memory='16GiB'" in str(info.value)

@@ -9,6 +9,7 @@ One module per view, over a shared base:
 ``_throughput``     ``ThroughputView``: samples per second and step time per context
 ``_launches``       ``LaunchView``: the ranks of the running or last ``mg.launch``
 ``_schedule``       ``Schedule``: the timeline of one pipeline or ensemble step
+``_sharding``       ``ShardingView`` (``show_sharding``): which block of each leaf lives where
 ``_dashboard``      ``Dashboard``: the header, device map, transfers, throughput and launches
 ``_base``           ``LiveView`` and ``Plotted``, what every view shares
 ``_live``           the bounded feed from the ledger and the one thread that refreshes views
@@ -30,6 +31,8 @@ from ._launches import LaunchRow as LaunchRow
 from ._launches import LaunchView as LaunchView
 from ._schedule import Block as Block
 from ._schedule import Schedule as Schedule
+from ._sharding import ShardingView as ShardingView
+from ._sharding import show_sharding as show_sharding
 from ._throughput import ThroughputView as ThroughputView
 from ._transfers import TransferView as TransferView
 
@@ -41,6 +44,8 @@ __all__ = [
     "LaunchRow",
     "LaunchView",
     "Schedule",
+    "ShardingView",
     "ThroughputView",
     "TransferView",
+    "show_sharding",
 ]

@@ -1,5 +1,5 @@
 """The views' pictures drawn with matplotlib, for ``save_png``: memory bars, the transfers'
-heatmap, the throughput lines.
+heatmap, the throughput lines, timelines and block grids.
 
 Each draws on a matplotlib ``Figure`` with an Agg canvas (no pyplot, no display); matplotlib is
 imported only when a picture is drawn. Views call these with their data; this module imports
@@ -107,7 +107,7 @@ def draw_memory(ax, bars: Sequence[MemoryBar]) -> None:
     if kinds == {"live"}:
         label = f"bytes held by live jax arrays (bar: share of the largest, {human_bytes(top)})"
     elif kinds == {"limit"} or not kinds:
-        label = "memory in use / limit (device allocator)"
+        label = "memory in use / limit (device allocator, or live arrays / simulated limit)"
     else:
         label = "in use / limit (allocator), or live arrays / the largest (no statistics)"
     ax.set_xlabel(label, fontsize=8)
@@ -267,4 +267,37 @@ def draw_timeline(
     handles = [Patch(facecolor=color, label=label) for label, color in legend.items()]
     if handles:
         ax.legend(handles=handles, fontsize="small", loc="upper right", ncols=min(len(handles), 4))
+    ax.set_title(title, fontsize=8, loc="left")
+
+
+class Tile(NamedTuple):
+    """One cell of a block grid (a leaf's blocks on their contexts)."""
+
+    row: int  # its row, from the top
+    col: int  # its column, from the left
+    width: float  # the share of the cell's width that holds data (below 1: padded)
+    height: float  # the share of the cell's height that holds data
+    label: str  # the contexts holding it, in short
+    color: str  # its fill
+
+
+def draw_tiles(
+    ax: Any, tiles: Sequence[Tile], rows: Sequence[str], cols: Sequence[str], corner: str, title: str
+) -> None:
+    """A grid of labelled cells; the part of a short cell past the data (padding) dashed."""
+    from matplotlib.patches import Rectangle
+
+    for t in tiles:
+        full = t.width == 1 and t.height == 1
+        if not full:
+            ax.add_patch(Rectangle((t.col, t.row), 1, 1, fill=False, linestyle="--", edgecolor="#999"))
+        ax.add_patch(Rectangle((t.col, t.row), t.width, t.height, facecolor=t.color, edgecolor="white"))
+        color = "white" if full else "#333"
+        ax.text(t.col + 0.5, t.row + 0.5, t.label, ha="center", va="center", fontsize=7, color=color)
+    ax.set_xlim(0, max(len(cols), 1))
+    ax.set_ylim(max(len(rows), 1), 0)
+    ax.set_xticks([j + 0.5 for j in range(len(cols))], list(cols), fontsize=7)
+    ax.set_yticks([i + 0.5 for i in range(len(rows))], list(rows), fontsize=7)
+    ax.xaxis.tick_top()
+    ax.set_xlabel(corner, fontsize=8)
     ax.set_title(title, fontsize=8, loc="left")
