@@ -156,3 +156,11 @@ def check_rows(accumulate: int, n: int, where: str) -> None:
             f"{where}: accumulate={accumulate} is more than the batch's {n} rows, so some microbatches"
             f" would have no rows; use accumulate <= {n}, or batches of at least {accumulate} rows"
         )
+
+
+def peak_bytes(step: Callable, *args: Any) -> int:
+    """Per-device peak bytes of the jitted ``step`` for ``args`` (arrays, or shapes with their
+    shardings: nothing is allocated): its arguments, its outputs that do not reuse them (donated
+    buffers), and its temporaries, from the compiled program's ``memory_analysis``."""
+    m = step.lower(*args).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
