@@ -177,3 +177,13 @@ def test_accumulate_over_the_batch_s_rows_is_refused():
     assert tr.step == 0
     with pytest.raises(ValueError, match=r"accumulate=9 is more than the batch's 8 rows"):
         tr.fit([batch_of(8)], steps=1, accumulate=9, progress=False)
+
+
+def test_a_loss_with_a_key_draws_a_key_per_microbatch():
+    def dropout_loss(p, batch, key):
+        keep = jax.random.bernoulli(key, 0.5, batch["x"].shape)
+        return loss_fn(p, {"x": jnp.where(keep, batch["x"] * 2, 0.0), "y": batch["y"]})
+
+    tr = mg.Trainer(dropout_loss, optax.adam(1e-2), PARAMS, key=jax.random.key(0))
+    hist = tr.fit(batch_of(256), steps=4, batch_size=64, accumulate=4, progress=False)
+    assert tr.step == 4 and np.isfinite(hist.loss).all()

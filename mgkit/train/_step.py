@@ -13,7 +13,8 @@ gradient of its part, gathered on the first context, the update there, the new p
 copied back to the others (each move in the ledger).
 
 Either way an update is applied only where the loss and every gradient are finite; the step
-says whether it was (``ok``).
+says whether it was (``ok``). The gradient itself, whole or accumulated over microbatches, is
+``_accumulate``'s; the loss function's compute dtype and float16's loss scale ``_precision``'s.
 """
 
 from __future__ import annotations

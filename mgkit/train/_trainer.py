@@ -149,7 +149,8 @@ class Trainer(Checkpointing):
         key=None)`` splits the batch over the contexts (recorded in the ledger), runs one step
         and returns ``StepOut(params, opt_state, loss, ok, aux)``. It donates ``params`` and
         ``opt_state`` (use the returned ones); ``ok`` is False where the update was skipped
-        (a loss or gradient not finite). The trainer's own state is not touched."""
+        (a loss or gradient not finite). The trainer's own state is not touched. It is the
+        plain step (no ``accumulate``, float32), whatever the last fit used."""
         k = len(self.targets.contexts)
         program = self._built(1, "fp32")
 
