@@ -3,6 +3,7 @@ one update per step, on the SPMD step and on the gather-update-copy loop, with t
 microbatch (the compiled program's memory analysis)."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,28 @@ def test_a_loss_with_a_key_draws_a_key_per_microbatch():
     tr = mg.Trainer(dropout_loss, optax.adam(1e-2), PARAMS, key=jax.random.key(0))
     hist = tr.fit(batch_of(256), steps=4, batch_size=64, accumulate=4, progress=False)
     assert tr.step == 4 and np.isfinite(hist.loss).all()
+
+
+def test_one_cross_context_reduction_per_step_outside_the_microbatch_loop():
+    """The compiled step has one all-reduce, in its entry computation: each device sums its own
+    microbatches' gradients, and the devices' sums are reduced once (not once per microbatch)."""
+    devices = tuple(jax.devices()[:8])
+    rep, split = sharding(devices), sharding(devices, AXIS, 0)
+    params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep) for k, v in PARAMS.items()}
+    state = jax.eval_shape(optax.sgd(0.1).init, params)
+    for rows in (1024, 1003):  # the second leaves 5 rows per device after 8 x 15, and 3 rest rows
+        batch = {
+            "x": jax.ShapeDtypeStruct((rows - rows % 8, 5), jnp.float32, sharding=split),
+            "y": jax.ShapeDtypeStruct((rows - rows % 8, 1), jnp.float32, sharding=split),
+        }
+        rest = (
+            None
+            if rows % 8 == 0
+            else {"x": np.zeros((rows % 8, 5), np.float32), "y": np.zeros((rows % 8, 1), np.float32)}
+        )
+        step = spmd_step(loss_fn, optax.sgd(0.1), False, devices, accumulate=8)
+        text = step.lower(params, state, batch, rest, None).compile().as_text()
+        computations = re.split(r"\n(?=\S)", text)
+        reducing = [c.split("(", 1)[0] for c in computations if re.search(r"all-reduce(-start)?\(", c)]
+        assert len(reducing) == 1 and reducing[0].startswith("ENTRY"), reducing
+        assert len(re.findall(r"all-reduce(?:-start)?\(", text)) == 1

@@ -8,12 +8,16 @@ every device holds (or None). ``batch_gradient`` returns the function
 - ``accumulate=1``: one ``jax.value_and_grad`` of the row-weighted mean of ``even``'s and
   ``rest``'s losses;
 - ``accumulate=k``: each block is cut into ``k`` slices of ``c = m // k`` rows (``m`` rows per
-  block); microbatch ``j`` is slice ``j`` of every block (so each microbatch stays split over
-  the devices), run one after the other in a ``lax.scan``; the blocks' last ``m - k * c`` rows
-  and ``rest`` follow as pieces of their own. Each piece's loss, aux and gradient are weighted
-  by its rows over the batch's and summed in float32: the gradient equals the whole batch's
-  (with rows that do not divide by ``k``), while only one microbatch's activations are live at
-  a time. With a key, piece ``i`` draws with ``jax.random.fold_in(key, i)``.
+  block); microbatch ``j`` is slice ``j`` of every block, and the microbatches run one after
+  the other in a ``lax.scan``. Each block's loss, aux and gradient are computed apart (a
+  ``vmap`` over the blocks, laid out like them: on the SPMD step each device computes and
+  accumulates its own block's, in float32, and nothing crosses devices inside the scan); the
+  blocks' last ``m - k * c`` rows follow as one more piece per block. Each piece is weighted by
+  its rows over the batch's; the sum over the blocks after the scan is the step's one
+  cross-device reduction; ``rest``, which every device holds, is added after it. The gradient
+  equals the whole batch's (with rows that do not divide by ``k``), while only one
+  microbatch's activations are live at a time. With a key, microbatch ``j`` draws with
+  ``fold_in(fold_in(key, j), block)``.
 
 ``scale`` is float16's loss scale (``_precision.LossScale``) or None.
 """
@@ -58,7 +62,7 @@ def rows_mean(loss_fn: Callable, has_aux: bool, pieces: list, key: Any) -> Calla
 def microbatches(even: Any, groups: int, k: int) -> tuple[Any, Any]:
     """``even`` (``groups`` blocks of ``m`` rows) as (the stack of its k microbatches, shape
     ``(groups, k, m // k, ...)`` per leaf, or None where ``m < k``; the blocks' last ``m % k``
-    rows, ``groups * (m % k)`` rows, or None where ``k`` divides ``m``)."""
+    rows, shape ``(groups, m % k, ...)``, or None where ``k`` divides ``m``)."""
     m = rows(even) // groups
     c = m // k
 
@@ -70,13 +74,7 @@ def microbatches(even: Any, groups: int, k: int) -> tuple[Any, Any]:
         if c == 0
         else jax.tree_util.tree_map(lambda x: blocks(x)[:, : k * c].reshape(groups, k, c, *x.shape[1:]), even)
     )
-    tail = (
-        None
-        if m == k * c
-        else jax.tree_util.tree_map(
-            lambda x: blocks(x)[:, k * c :].reshape(groups * (m - k * c), *x.shape[1:]), even
-        )
-    )
+    tail = None if m == k * c else jax.tree_util.tree_map(lambda x: blocks(x)[:, k * c :], even)
     return stack, tail
 
 
@@ -90,13 +88,18 @@ def _add(total: tuple, weight: jax.Array, out: tuple) -> tuple:
     return jax.tree_util.tree_map(lambda t, x: t + (weight * x).astype(t.dtype), total, out)
 
 
+def _fold(key: Any, i: Any) -> Any:
+    """``key`` folded with ``i`` (None: None)."""
+    return None if key is None else jax.random.fold_in(key, i)
+
+
 def batch_gradient(
     loss_fn: Callable, has_aux: bool, accumulate: int, groups: int, constrain: Callable | None = None
 ) -> Callable:
     """``(params, even, rest, key, scale) -> (loss, aux, grads)``: the gradient of the batch's
     mean loss (see the module's docstring). ``even``: rows in ``groups`` equal blocks, or None;
-    ``rest``: more rows, or None. ``constrain(tree)``: lays a microbatch's rows out like
-    ``even``'s (the SPMD step's sharding constraint), or None.
+    ``rest``: more rows, or None. ``constrain(tree)``: lays out arrays whose first axis is the
+    blocks' like ``even``'s rows (the SPMD step's sharding constraint), or None.
 
     >>> import jax.numpy as jnp
     >>> grad = batch_gradient(lambda p, b: jnp.mean((b * p) ** 2), False, 4, 1)
@@ -113,8 +116,17 @@ def batch_gradient(
     if accumulate == 1:
         return whole
 
-    def piece_key(key: Any, i: Any) -> Any:
-        return None if key is None else jax.random.fold_in(key, i)
+    def one(params, piece, key, scale) -> tuple:
+        return _precision.value_and_grad(rows_mean(loss_fn, has_aux, [piece], key), params, scale)
+
+    def per_block(params, pieces, key, scale) -> tuple:
+        """(loss, aux, grads) of each block's piece, stacked along a first axis laid out like
+        the blocks: each device computes its own block's, nothing crosses devices."""
+        keys = None if key is None else jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(groups))
+        out = jax.vmap(one, in_axes=(None, 0, None if key is None else 0, None))(
+            params, lay(pieces), keys, scale
+        )
+        return lay(out)
 
     def accumulated(params, even, rest, key, scale):
         stack, tail = (None, even) if even is None else microbatches(even, groups, accumulate)
@@ -123,28 +135,24 @@ def batch_gradient(
         total_rows = rows(even) + (0 if rest is None else rows(rest))
         c = jax.tree_util.tree_leaves(stack)[0].shape[2]
 
-        def one(piece: Any, i: Any) -> tuple:
-            f = rows_mean(loss_fn, has_aux, [piece], piece_key(key, i))
-            return _precision.value_and_grad(f, params, scale)
-
         def microbatch(total: tuple, j: jax.Array) -> tuple:
-            piece = jax.tree_util.tree_map(
-                lambda x: jax.lax.dynamic_index_in_dim(x, j, 1, keepdims=False).reshape(
-                    groups * c, *x.shape[3:]
-                ),
-                stack,
-            )
-            return _add(total, jnp.float32(groups * c / total_rows), one(lay(piece), j)), None
+            piece = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 1, False), stack)
+            out = per_block(params, piece, _fold(key, j), scale)
+            return lay(_add(total, jnp.float32(c / total_rows), out)), None
 
-        first = jax.tree_util.tree_map(lambda x: x[:, 0].reshape(groups * c, *x.shape[3:]), stack)
-        total = _zeros(jax.eval_shape(lambda: one(first, 0)))
+        first = jax.tree_util.tree_map(lambda x: x[:, 0], stack)
+        total = lay(_zeros(jax.eval_shape(lambda: per_block(params, first, key, scale))))
         total, _ = jax.lax.scan(microbatch, total, jnp.arange(accumulate))
-        for i, piece in enumerate((lay(tail) if tail is not None else None, rest)):
-            if piece is not None:
-                total = _add(total, jnp.float32(rows(piece) / total_rows), one(piece, accumulate + i))
+        if tail is not None:
+            a = jax.tree_util.tree_leaves(tail)[0].shape[1]
+            out = per_block(params, tail, _fold(key, accumulate), scale)
+            total = lay(_add(total, jnp.float32(a / total_rows), out))
+        total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), total)  # the one reduction
+        if rest is not None:
+            out = one(params, rest, _fold(key, accumulate + 1), scale)
+            total = _add(total, jnp.float32(rows(rest) / total_rows), out)
         loss, aux, grads = total
-        grads = jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
-        return loss, aux, grads
+        return loss, aux, jax.tree_util.tree_map(lambda g, p: g.astype(p.dtype), grads, params)
 
     return accumulated
 
