@@ -13,6 +13,8 @@ stays under 8 minutes on one H100), printing ``[3/11] trainer on cuda0 ... 41.2 
                        scikit-learn, seed 000 on 8 contexts sharing the GPU, GPU + CPU, parity
   trainer              MLP 784-256-10 at batch 256 and 16,384 against a hand-written step
                        (``bench_train.py``), on ``cuda0`` and on ``a->cuda0;b->cpu0``
+  mixed precision      samples/s of ``fit(precision="bf16")`` and ``"fp16"`` against
+                       ``"fp32"``, MLP 1024-4096-4096-10 at batch 8,192 on ``cuda0``
   ensemble, pipeline   against their hand-written peers, with the measured bubble
                        (``bench_many_models.py``), on two contexts sharing ``cuda0`` and on GPU + CPU
   launch               ``mg.launch`` of one rank on the GPU against a bare JAX process's start-up
@@ -30,10 +32,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import itertools
 import platform
 import signal
 import sys
 import time
+import warnings
 from argparse import Namespace
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -99,6 +103,9 @@ class Sizes(NamedTuple):
     bubble_ms: tuple[int, ...]  # the microbatch counts whose bubble is measured
     launch_repeats: int  # launches (and bare starts) timed
     dashboard_mib: float  # the array put on the GPU for the memory figures
+    precision_width: int  # hidden width of the mixed-precision MLP
+    precision_batch: int  # its batch
+    precision_steps: int  # its steps per variant per round
 
 
 GPU_SIZES = Sizes(
@@ -107,6 +114,7 @@ GPU_SIZES = Sizes(
     seed_rows=400, seed_features=784, train_batches=(256, 16384), train_steps=100, train_rounds=4,
     mixed_steps=10, many_steps=10, many_rounds=2, many_rows=8192, pipe_width=1024, pipe_batch=1024,
     bubble_steps=3, bubble_ms=(1, 2, 4, 8), launch_repeats=2, dashboard_mib=256,
+    precision_width=4096, precision_batch=8192, precision_steps=20,
 )  # fmt: skip
 DRY_SIZES = Sizes(
     transfer_mib=0.25, transfer_seconds=0.3, parallel_seconds=0.3, parallel_rows=256, parallel_gemm=64,
@@ -114,6 +122,7 @@ DRY_SIZES = Sizes(
     seed_rows=40, seed_features=20, train_batches=(32, 128), train_steps=2, train_rounds=2,
     mixed_steps=2, many_steps=1, many_rounds=2, many_rows=1024, pipe_width=32, pipe_batch=64,
     bubble_steps=2, bubble_ms=(2, 4), launch_repeats=1, dashboard_mib=1,
+    precision_width=32, precision_batch=64, precision_steps=2,
 )  # fmt: skip
 
 
@@ -345,6 +354,48 @@ def trainer(spec: str) -> Callable[[Setup, list[Row]], None]:
     return run
 
 
+def _wide_loss(params, batch):
+    h = batch["x"]
+    for w in params[:-1]:
+        h = jax.nn.gelu(h @ w)
+    return optax.softmax_cross_entropy_with_integer_labels(h @ params[-1], batch["y"]).mean()
+
+
+def mixed_precision(setup: Setup, rows: list[Row]) -> None:
+    """Samples/s of bf16 and fp16 fits against fp32's, same model, data and batch (ABBA rounds)."""
+    s = setup.sizes
+    mg.use_contexts(f"d0->{setup.gpu}", verbose=False)
+    width, batch = s.precision_width, s.precision_batch
+    widths = [1024, width, width, 10]
+    keys = jax.random.split(jax.random.key(0), len(widths) - 1)
+    shapes = itertools.pairwise(widths)
+    params = [jax.random.normal(k, (a, b)) / np.sqrt(a) for k, (a, b) in zip(keys, shapes, strict=True)]
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(2 * batch, 1024)).astype(np.float32), "y": rng.integers(0, 10, 2 * batch)}
+    args = Namespace(steps=s.precision_steps, rounds=s.train_rounds)
+
+    def fitter(name: str) -> Callable[[int], None]:
+        tr = mg.Trainer(_wide_loss, optax.adamw(1e-4), params)
+
+        def fit(steps: int) -> None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", mg.PrecisionWarning)  # the dry run's CPU
+                tr.fit(data, steps=steps, batch_size=batch, precision=name, progress=False)
+
+        return fit
+
+    fp32 = fitter("fp32")
+    for low in ("bf16", "fp16"):
+        fits = {low: fitter(low), "fp32": fp32}
+        _, med = bench_train.compare(low, fits, args, float("inf"))
+        mine, peer = batch / med[low], batch / med["fp32"]
+        note = f"ratio: {low} samples/s over fp32's; per step {duration(med[low])} vs {duration(med['fp32'])}"
+        rows.append(
+            Row(f"MLP 1024-{width}-{width}-10, batch {batch:,}, {low}", f"{mine:,.0f} samples/s",
+                f"{peer:,.0f} samples/s", f"{mine / peer:.3f}", note)
+        )  # fmt: skip
+
+
 def _two_contexts(setup: Setup, spec: str, mixed: bool) -> tuple[list[str], list, Namespace]:
     """The two contexts of ``spec``, their devices, and bench_many_models' arguments."""
     s = setup.sizes
@@ -465,6 +516,7 @@ PARTS = [
     Part("logistic regression on {gpu}", logreg, 60),
     Part("trainer on {gpu}", trainer("d0->{gpu}"), 50),
     Part("trainer on a->{gpu};b->{host}", trainer("a->{gpu};b->{host}"), 45),
+    Part("mixed precision on {gpu}", mixed_precision, 30),
     Part("ensemble on two contexts sharing {gpu}", ensemble(SHARED, False), 30),
     Part("ensemble on {gpu} + {host}", ensemble(MIXED, True), 30),
     Part("pipeline on two contexts sharing {gpu}", pipeline(SHARED, False), 45),

@@ -55,6 +55,7 @@ from .train import History as History
 from .train import Member as Member
 from .train import MemberError as MemberError
 from .train import Pipeline as Pipeline
+from .train import PrecisionWarning as PrecisionWarning
 from .train import Trainer as Trainer
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "MemberError",
     "Parallel",
     "Pipeline",
+    "PrecisionWarning",
     "Prefetch",
     "Schedule",
     "ShardingView",

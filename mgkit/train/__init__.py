@@ -15,6 +15,10 @@ All three fit on one skeleton (``_loop``: stop reasons, Ctrl-C, step events, the
 policy, data running out, the progress bar, ``History``; ``_feed``: the batches;
 ``_checkpoint``: checkpoints and resume), and take their arguments in the same places: the
 optimizer, seed, ``on_nan``, ``prefetch`` and checkpoint folder where the model is made.
+
+``Trainer.fit(..., accumulate=k, precision="bf16")``: each batch cut into k microbatches in a
+``lax.scan`` inside the one step (``_accumulate``), the loss function computed in bfloat16 or
+float16 over float32 parameters, with float16's dynamic loss scale (``_precision``).
 """
 
 from ._ensemble import Ensemble as Ensemble
@@ -26,6 +30,7 @@ from ._member import Member as Member
 from ._member import MemberError as MemberError
 from ._member import MemberResult as MemberResult
 from ._pipeline import Pipeline as Pipeline
+from ._precision import PrecisionWarning as PrecisionWarning
 from ._trainer import Trainer as Trainer
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "MemberError",
     "MemberResult",
     "Pipeline",
+    "PrecisionWarning",
     "StepsSkipped",
     "Trainer",
 ]

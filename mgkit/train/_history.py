@@ -20,6 +20,8 @@ class History:
       contexts: the context names; ``rows``: rows each context took per step (the last batch's).
       stopped: why the fit ended early (``"interrupted"``, ``"data ran out"``, ``"nan"``), or None.
       skipped: steps whose update was not applied (a loss or gradient not finite; ``on_nan``).
+      overflowed: of those, the steps skipped by ``precision="fp16"``'s loss scale (their scaled
+        gradients overflowed float16; the scale was halved).
     """
 
     def __init__(self, contexts: tuple[str, ...]):
@@ -30,8 +32,12 @@ class History:
         self._seconds: list[float] = []
         self._samples: list[int] = []
         self.stopped: str | None = None
+        self.overflowed = 0
 
-    def append(self, step: int, loss: float, seconds: float, rows: tuple[int, ...]) -> None:
+    def append(
+        self, step: int, loss: float, seconds: float, rows: tuple[int, ...], overflow: bool = False
+    ) -> None:
+        self.overflowed += bool(overflow)
         self._step.append(step)
         self._loss.append(loss)
         self._seconds.append(seconds)
@@ -92,7 +98,11 @@ class History:
 
     def __repr__(self) -> str:
         note = f"; stopped: {self.stopped}" if self.stopped else ""
-        note += f"; {self.skipped} skipped (loss not finite)" if self.skipped else ""
+        if self.skipped and self.overflowed:
+            why = f"{self.skipped - self.overflowed} loss not finite, {self.overflowed} fp16 overflow"
+            note += f"; {self.skipped} skipped ({why})"
+        elif self.skipped:
+            note += f"; {self.skipped} skipped (loss not finite)"
         title = f"mgkit training history: {len(self)} step(s) on {len(self.contexts)} context(s){note}"
         headers = ["steps", "count", "first loss", "last loss", "samples/s (median)", "seconds"]
         return text_table(headers, self._rows(), title=title)

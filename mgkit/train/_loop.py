@@ -147,8 +147,9 @@ def conclude(
 
 
 def warn_skipped(where: str, history: History, stacklevel: int = 3) -> None:
-    """A ``StepsSkipped`` warning where steps of the fit were skipped (``history.skipped``)."""
-    skipped = history.skipped
+    """A ``StepsSkipped`` warning where steps of the fit were skipped (``history.skipped``, but
+    for those the fp16 loss scale skipped: ``history.overflowed``)."""
+    skipped = history.skipped - history.overflowed
     if skipped:
         every = "every update" if skipped == len(history) else "those updates"
         warnings.warn(
@@ -302,13 +303,13 @@ class Fit:
         finally:
             self.bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
 
-    def read(self, step: int, loss: float, ok: bool, rows: tuple[int, ...]) -> float:
-        """Keeps a step's loss just read (NaN in the history where its update was not applied):
-        its history entry, step events, the watchdog's beat and the bar. Returns the seconds
-        since the last read (the step's time)."""
+    def read(self, step: int, loss: float, ok: bool, rows: tuple[int, ...], overflow: bool = False) -> float:
+        """Keeps a step's loss just read (NaN in the history where its update was not applied;
+        ``overflow``: skipped by the fp16 loss scale): its history entry, step events, the
+        watchdog's beat and the bar. Returns the seconds since the last read (the step's time)."""
         now = time.perf_counter()
         seconds, self.read_at = now - self.read_at, now
-        self.history.append(step, loss if ok else float("nan"), seconds, rows)
+        self.history.append(step, loss if ok else float("nan"), seconds, rows, overflow)
         self.events.record(
             time.time() - seconds, seconds, self.label, rows, {"iteration": step, "loss": loss}
         )

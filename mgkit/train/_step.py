@@ -13,7 +13,8 @@ gradient of its part, gathered on the first context, the update there, the new p
 copied back to the others (each move in the ledger).
 
 Either way an update is applied only where the loss and every gradient are finite; the step
-says whether it was (``ok``).
+says whether it was (``ok``). The gradient itself, whole or accumulated over microbatches, is
+``_accumulate``'s; the loss function's compute dtype and float16's loss scale ``_precision``'s.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from .. import _spmd
 from .._contexts import Context
 from .._spmd import AXIS, Targets, sharding
 from .._transfer import place
+from ._accumulate import batch_gradient
+from ._precision import finite, in_precision, next_scale
 
 
 class StepOut(NamedTuple):
@@ -39,25 +42,7 @@ class StepOut(NamedTuple):
     loss: jax.Array
     ok: jax.Array  # bool: the update was applied (loss and gradients finite)
     aux: Any
-
-
-def call_loss(loss_fn: Callable, params, batch, key) -> Any:
-    """``loss_fn(params, batch)``, or ``loss_fn(params, batch, key)`` for a trainer with a key."""
-    return loss_fn(params, batch) if key is None else loss_fn(params, batch, key)
-
-
-def gradients(loss_fn: Callable, has_aux: bool) -> Callable:
-    """(params, batch, key) -> (loss, aux, grads)."""
-
-    def grad(params, batch, key=None):
-        def f(p):
-            out = call_loss(loss_fn, p, batch, key)
-            return out if has_aux else (out, None)
-
-        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
-        return loss, aux, grads
-
-    return grad
+    scale: Any = None  # precision="fp16": the LossScale after the step (else None)
 
 
 def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads, alive=None) -> tuple:
@@ -70,10 +55,7 @@ def update(optimizer: optax.GradientTransformation, params, opt_state, loss, gra
     ``isfinite`` pass over the gradient (measured: about 1.5 % of a dispatch-bound step against
     10 %). Sums accumulate in at least float32, so half-precision gradients do not overflow; a
     float32 gradient whose sum overflows is itself past any useful step and is not applied."""
-    total = loss
-    for g in jax.tree_util.tree_leaves(grads):
-        total = total + jnp.sum(g, dtype=jnp.result_type(g.dtype, jnp.float32))
-    ok = jnp.isfinite(total)
+    ok = finite((loss, grads))
     if alive is not None:
         ok = jnp.logical_and(ok, alive)
 
@@ -94,6 +76,8 @@ def spmd_step(
     has_aux: bool,
     devices: tuple,
     gated: bool = False,
+    accumulate: int = 1,
+    precision: str = "fp32",
 ) -> Callable:
     """The jitted step over ``devices``: (params, opt_state, even, rest, key) -> StepOut, with
     ``even`` split over the devices (None for a batch with fewer rows than devices) and ``rest``
@@ -104,34 +88,33 @@ def spmd_step(
     update only where it is True: the ``ok`` of one step is the ``alive`` of the next, so a
     model whose step k was not finite keeps its state through steps dispatched before the
     caller read step k's result. Its loss is NaN where the update was not applied, so reading
-    the loss alone says both."""
+    the loss alone says both.
+
+    ``accumulate``: microbatches per batch, run in a ``lax.scan`` (``_accumulate``);
+    ``precision``: the loss function's compute dtype (``_precision``). With ``"fp16"`` the step
+    takes ``alive`` (None where not gated) and the ``LossScale``, and returns the next one."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
+    grad = batch_gradient(
+        in_precision(loss_fn, precision),
+        has_aux,
+        accumulate,
+        len(devices),
+        lambda tree: jax.lax.with_sharding_constraint(tree, split),
+    )
 
-    def step(params, opt_state, even, rest, key, alive=None):
-        def mean_loss(p):
-            if even is None:  # fewer rows than devices: the whole batch on every one
-                out = call_loss(loss_fn, p, rest, key)
-                return out if has_aux else (out, None)
-            out = call_loss(loss_fn, p, even, key)
-            loss, aux = out if has_aux else (out, None)
-            if rest is None:
-                return loss, aux
-            n_even = jax.tree_util.tree_leaves(even)[0].shape[0]
-            n_rest = jax.tree_util.tree_leaves(rest)[0].shape[0]
-            out = call_loss(loss_fn, p, rest, key)
-            loss_rest = out[0] if has_aux else out
-            return (n_even * loss + n_rest * loss_rest) / (n_even + n_rest), aux
-
-        (loss, aux), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+    def step(params, opt_state, even, rest, key, alive=None, scale=None):
+        loss, aux, grads = grad(params, even, rest, key, scale)
+        scale = next_scale(scale, loss, grads)
         params, opt_state, ok = update(optimizer, params, opt_state, loss, grads, alive)
         if gated:  # one scalar tells both: the loss where the update applied, NaN where not
             loss = jnp.where(ok, loss, jnp.nan)
-        return StepOut(params, opt_state, loss, ok, aux)
+        return StepOut(params, opt_state, loss, ok, aux, scale)
 
+    extra = 2 if precision == "fp16" else int(gated)
     return jax.jit(
         step,
-        in_shardings=(rep, rep, split, rep, rep, rep) if gated else (rep, rep, split, rep, rep),
-        out_shardings=StepOut(rep, rep, rep, rep, rep),
+        in_shardings=(rep, rep, split, rep, rep) + (rep,) * extra,
+        out_shardings=StepOut(rep, rep, rep, rep, rep, rep),
         donate_argnums=(0, 1),
     )
 
@@ -189,27 +172,42 @@ class LoopStep:
     (the first the one the update reads and donates)."""
 
     def __init__(
-        self, loss_fn: Callable, optimizer: optax.GradientTransformation, has_aux: bool, targets: Targets
+        self,
+        loss_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        has_aux: bool,
+        targets: Targets,
+        accumulate: int = 1,
+        precision: str = "fp32",
     ):
         self.targets = targets
-        self.grad = jax.jit(gradients(loss_fn, has_aux))
+        grad = batch_gradient(in_precision(loss_fn, precision), has_aux, accumulate, 1)
+        self.grad = jax.jit(lambda params, part, key=None, scale=None: grad(params, part, None, key, scale))
 
-        def combine(params, opt_state, weights, losses, grads, auxes):
+        def combine(params, opt_state, weights, losses, grads, auxes, scale):
             loss, grad = _weighted(weights, losses), _weighted(weights, grads)
             aux = None if auxes[0] is None else _weighted(weights, auxes)
+            scale = next_scale(scale, loss, grad)
             params, opt_state, ok = update(optimizer, params, opt_state, loss, grad)
-            return StepOut(params, opt_state, loss, ok, aux)
+            return StepOut(params, opt_state, loss, ok, aux, scale)
 
         self.combine = jax.jit(combine, donate_argnums=(0, 1))
 
     def __call__(
-        self, replicas: list, opt_state: Any, parts: list, sizes: tuple[int, ...], key: Any = None
+        self,
+        replicas: list,
+        opt_state: Any,
+        parts: list,
+        sizes: tuple[int, ...],
+        key: Any = None,
+        scale: Any = None,
     ) -> tuple[list, StepOut]:
         contexts: tuple[Context, ...] = self.targets.contexts
         first = contexts[0]
         active = [i for i, s in enumerate(sizes) if s]
         keys = [None if key is None else jax.device_put(key, contexts[i].device) for i in active]
-        outs = [self.grad(replicas[i], parts[i], k) for i, k in zip(active, keys, strict=True)]
+        scales = [None if scale is None else jax.device_put(scale, contexts[i].device) for i in active]
+        outs = [self.grad(replicas[i], parts[i], k, s) for i, k, s in zip(active, keys, scales, strict=True)]
         gathered = []
         for i, out in zip(active, outs, strict=True):
             leaves, treedef = jax.tree_util.tree_flatten(out)
@@ -221,7 +219,7 @@ class LoopStep:
         losses = [g[0] for g in gathered]
         auxes = [g[1] for g in gathered]
         grads = [g[2] for g in gathered]
-        out = self.combine(replicas[0], opt_state, weights, losses, grads, auxes)
+        out = self.combine(replicas[0], opt_state, weights, losses, grads, auxes, scale)
         new = [out.params]
         leaves, treedef = jax.tree_util.tree_flatten(out.params)
         for ctx in contexts[1:]:

@@ -12,11 +12,13 @@ from .. import _progress
 from .._numbers import whole
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
+from ._accumulate import check_rows
 from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
 from ._feed import Feed
 from ._history import History
 from ._loop import Fit, check_on_nan, not_finite, reads_late
+from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
 from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
@@ -104,17 +106,19 @@ class Trainer(Checkpointing):
         self._position: dict | None = None
         self.history: History | None = None
         self._checked: set = set()
+        self._programs: dict[tuple[int, str], Any] = {}  # (accumulate, precision) -> compiled step
+        self._accumulate, self._precision = 1, "fp32"  # the last fit's
+        self._scale, self._warned = None, False  # the LossScale of fp16 fits; warned: on CPU
         if self.spmd:
             self._params = copied(self._model.arrays, sharding(devices))
             self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
-            self._program = spmd_step(self._loss, optimizer, self.has_aux, devices)
             self._replicas: list = []
         else:
             first = jax.sharding.SingleDeviceSharding(devices[0])
             self._params = copied(self._model.arrays, first)
             self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
-            self._program = LoopStep(self._loss, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
+        self._program = self._built(1, "fp32")
         self._weights: tuple[float, ...] | None = None
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
@@ -150,19 +154,21 @@ class Trainer(Checkpointing):
         key=None)`` splits the batch over the contexts (recorded in the ledger), runs one step
         and returns ``StepOut(params, opt_state, loss, ok, aux)``. It donates ``params`` and
         ``opt_state`` (use the returned ones); ``ok`` is False where the update was skipped
-        (a loss or gradient not finite). The trainer's own state is not touched."""
+        (a loss or gradient not finite). The trainer's own state is not touched. It is the
+        plain step (no ``accumulate``, float32), whatever the last fit used."""
         k = len(self.targets.contexts)
+        program = self._built(1, "fp32")
 
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
             leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
             arrays = self._model.arrays_of(params, "Trainer.step_fn", "params")
             if self.spmd:
                 even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
-                out = self._program(arrays, opt_state, even, rest, key)
+                out = program(arrays, opt_state, even, rest, key)
             else:
                 sizes = shares(n, k, self._weights)
                 parts = place_parts(leaves, treedef, self.targets, sizes)
-                out = self._program(self._copies(arrays), opt_state, parts, sizes, key)[1]
+                out = program(self._copies(arrays), opt_state, parts, sizes, key)[1]
             return out._replace(params=self._model.join(out.params))
 
         return step_fn
@@ -172,6 +178,18 @@ class Trainer(Checkpointing):
         return (
             f"Trainer({len(self.contexts)} context(s): {', '.join(self.contexts)}; {path}; step {self._step})"
         )
+
+    def _built(self, accumulate: int, precision: str) -> Any:
+        """The step for ``accumulate`` microbatches in ``precision``, built once per pair."""
+        program = self._programs.get((accumulate, precision))
+        if program is None:
+            args = (self._loss, self.optimizer, self.has_aux)
+            if self.spmd:
+                program = spmd_step(*args, self.targets.devices, accumulate=accumulate, precision=precision)
+            else:
+                program = LoopStep(*args, self.targets, accumulate=accumulate, precision=precision)
+            self._programs[(accumulate, precision)] = program
+        return program
 
     def _copies(self, params: Any) -> list:
         leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -191,6 +209,7 @@ class Trainer(Checkpointing):
         """A batch laid out for the step: (the step's batch arguments, rows per context)."""
         k = len(self.targets.contexts)
         leaves, treedef, n = _data.check_batch(batch, "Trainer.fit", "the batch")
+        check_rows(self._accumulate, n, "Trainer.fit")
         if self.spmd:
             even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own)
             return (even, rest), rows
@@ -200,15 +219,24 @@ class Trainer(Checkpointing):
     def _dispatch(self, placed: tuple) -> StepOut:
         """Runs one step and keeps its results at once: nothing can come between the donation
         of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""
-        key = None if self._key is None else jax.random.fold_in(self._key, self._step + 1)
         if self.spmd:
-            out = self._program(self._params, self._opt, *placed, key)
+            out = self._program(self._params, self._opt, *self._args(placed, self._step + 1))
             self._params, self._opt = out.params, out.opt_state
         else:
-            replicas, out = self._program(self._replicas, self._opt, *placed, key)
+            replicas, out = self._program(self._replicas, self._opt, *self._args(placed, self._step + 1))
             self._replicas, self._params, self._opt = replicas, out.params, out.opt_state
+        if out.scale is not None:
+            self._scale = out.scale
         self._step += 1
         return out
+
+    def _args(self, placed: tuple, step: int) -> tuple:
+        """The step's arguments after the state: the batch, the key of ``step``, and under
+        ``precision="fp16"`` the loss scale (after ``alive``: None, on the SPMD step)."""
+        key = None if self._key is None else jax.random.fold_in(self._key, step)
+        if self._precision != "fp16":
+            return (*placed, key)
+        return (*placed, key, None, self._scale) if self.spmd else (*placed, key, self._scale)
 
     def _check_loss(self, placed: tuple) -> None:
         """The loss function's output, from shapes only (before anything compiles or runs)."""
@@ -238,6 +266,8 @@ class Trainer(Checkpointing):
         epochs: int | None = None,
         resume: bool = False,
         progress: bool | None = None,
+        accumulate: int = 1,
+        precision: str = "fp32",
     ) -> History:
         """Trains for ``steps`` steps (or ``epochs`` passes over arrays) and returns a ``History``.
 
@@ -265,6 +295,16 @@ class Trainer(Checkpointing):
             from the trainer's state. The run then gives the parameters an uninterrupted one
             would, bit for bit.
           progress: None: a progress bar once the fit has run a second; True: at once; False: never.
+          accumulate: microbatches per batch: each batch is cut into ``accumulate`` parts run one
+            after the other inside the one compiled step (a ``lax.scan``), their gradients summed
+            in float32, then one update; the gradient is the whole batch's, with the memory of one
+            microbatch's activations. ``step`` counts updates. At most the batch's rows.
+          precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the dtype ``loss_fn`` computes
+            in (it sees the parameters and the batch's floating leaves cast to it); parameters,
+            optimizer state and gradients stay float32. ``"fp16"`` adds a dynamic loss scale: a
+            step whose scaled gradients overflow is skipped and the scale halved (not an error
+            under ``on_nan="raise"``; ``History.overflowed`` counts them). On CPU a
+            ``PrecisionWarning`` says it is not faster.
 
         Ctrl-C (the notebook's Stop button) stops at the next step boundary: ``params``,
         ``opt_state`` and ``step`` are those of the last completed step, ``history`` holds the
@@ -272,6 +312,7 @@ class Trainer(Checkpointing):
         """
         where = "Trainer.fit"
         k = len(self.targets.contexts)
+        self._set_recipe(accumulate, precision, where)
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
         total = self._total(src, steps, epochs, where)
         self._begin(resume, where)
@@ -287,6 +328,19 @@ class Trainer(Checkpointing):
         finally:
             self._fit_ended(feed)
         return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
+
+    def _set_recipe(self, accumulate: Any, precision: Any, where: str) -> None:
+        """Checks ``accumulate`` and ``precision`` and picks their step; a first fp16 fit starts
+        the loss scale; on CPU, the first reduced-precision fit warns that it is not faster."""
+        self._accumulate = whole(
+            accumulate, "accumulate", where, lo=1, example=4, note="microbatches per batch"
+        )
+        self._precision = check_precision(precision, where)
+        if self._precision == "fp16" and self._scale is None:
+            self._scale = initial_scale()
+        if not self._warned:
+            self._warned = warn_if_cpu(self._precision, self.targets.devices, where)
+        self._program = self._built(self._accumulate, self._precision)
 
     def _steps(self, feed: Feed, fit: Fit) -> None:
         """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
@@ -314,8 +368,9 @@ class Trainer(Checkpointing):
         def read(item: tuple) -> None:
             step, out, rows = item
             loss, ok = float(out.loss), bool(out.ok)
-            fit.read(step, loss, ok, rows)
-            if not ok and self.on_nan == "raise":
+            overflow = out.scale is not None and bool(out.scale.overflow)
+            fit.read(step, loss, ok, rows, overflow)
+            if not ok and not overflow and self.on_nan == "raise":
                 kept = f"the fit stopped at step {self._step}"
                 raise not_finite(fit.where, step, loss, kept, "pass on_nan='skip' to skip such steps")
 
@@ -330,6 +385,7 @@ class Trainer(Checkpointing):
             "step": self._step,
             "key": None if self._key is None else self._key,
             "data": {} if position is None else dict(position),
+            **({} if self._scale is None else {"loss_scale": scale_entry(self._scale)}),
         }
 
     def _restore(self, back: dict) -> None:
@@ -337,6 +393,8 @@ class Trainer(Checkpointing):
         if self._key is not None and back["key"] is not None:
             self._key = back["key"]
         self._position = back["data"] or None
+        if back.get("loss_scale") is not None:
+            self._scale = scale_from(back["loss_scale"])
         if not self.spmd:
             self._replicas = self._copies(self._params)
 
@@ -363,8 +421,7 @@ class Trainer(Checkpointing):
     def _compile(self, placed: tuple) -> None:
         """Compiles the step for these arguments while Ctrl-C still works (``_progress.compile``)."""
         if self.spmd:
-            key = None if self._key is None else jax.random.fold_in(self._key, 0)
-            _progress.compile(self._program, (self._params, self._opt, *placed, key))
+            _progress.compile(self._program, (self._params, self._opt, *self._args(placed, 0)))
 
     def _measure(self, placed: tuple) -> tuple[float, ...]:
         """Rows per second of each context's gradient on an equal part (after a warm-up)."""
