@@ -55,6 +55,7 @@ from .train import Member as Member
 from .train import MemberError as MemberError
 from .train import Pipeline as Pipeline
 from .train import Trainer as Trainer
+from .train import fits as fits
 
 __all__ = [
     "ContextError",
@@ -91,6 +92,7 @@ __all__ = [
     "current",
     "device_of",
     "devices",
+    "fits",
     "launch",
     "launching",
     "ledger",

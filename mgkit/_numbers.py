@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from typing import Any
 
 
@@ -94,3 +95,31 @@ def whole(
             f"{where}: {name}={value!r} is out of range; {name} must be {what}, e.g. {name}={example!r}"
         )
     return v
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_BYTES = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def byte_count(value: Any, name: str, where: str) -> int:
+    """A number of bytes: an int or float, or a string with a unit, decimal (``"16 GB"``, ``"500MB"``)
+    or binary (``"80GiB"``, ``"512 MiB"``). Else a TypeError or ValueError naming ``where``.
+
+    >>> [byte_count(v, "limit", "fits") for v in ("80GiB", "16 GB", 1024)]
+    [85899345920, 16000000000, 1024]
+    """
+    expected = "a number of bytes or a string with a unit such as '80GiB', '16 GB' or '512MiB'"
+    if isinstance(value, str):
+        m = _BYTES.fullmatch(value)
+        if m and not (m.group(3) and not m.group(2)):  # "iB" needs a prefix
+            unit = m.group(2).lower()
+            scale = 1024 ** "kmgt".index(unit) * 1024 if m.group(3) else _UNITS[unit]
+            return int(float(m.group(1)) * scale)
+        raise ValueError(
+            f"{where}: {name}={value!r} cannot be read as bytes; give {expected}, e.g. {name}='80GiB'"
+        )
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(_wrong_type(value, name, where, expected, "80GiB"))
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(_out_of_range(value, name, where, f"{expected}, above 0", "80GiB"))
+    return int(value)

@@ -25,6 +25,8 @@ from ._member import EnsembleResult as EnsembleResult
 from ._member import Member as Member
 from ._member import MemberError as MemberError
 from ._member import MemberResult as MemberResult
+from ._memory import MemoryTable as MemoryTable
+from ._memory import fits as fits
 from ._pipeline import Pipeline as Pipeline
 from ._trainer import Trainer as Trainer
 
@@ -36,7 +38,9 @@ __all__ = [
     "Member",
     "MemberError",
     "MemberResult",
+    "MemoryTable",
     "Pipeline",
     "StepsSkipped",
     "Trainer",
+    "fits",
 ]

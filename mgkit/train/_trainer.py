@@ -13,11 +13,14 @@ from .._numbers import whole
 from .._spmd import Targets, resolve, sharding, shares
 from . import _data
 from ._checkpoint import Checkpointing, Checkpoints
-from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
+from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer
 from ._feed import Feed
 from ._history import History
+from ._initial import is_maker, made, param_shapes
 from ._loop import Fit, check_on_nan, not_finite, reads_late
-from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
+from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
+from ._shard import Placement, plan
+from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
 
@@ -41,7 +44,9 @@ class Trainer(Checkpointing):
         ``(scalar, aux)`` with ``has_aux=True``; aux is averaged over the contexts' rows).
       optimizer: an optax ``GradientTransformation`` (``optax.adamw(1e-3)``...).
       params: the initial parameters, any pytree of float arrays (copied: the trainer's own
-        arrays are donated to each step, never yours).
+        arrays are donated to each step, never yours), or a function of no arguments that makes
+        them (``lambda: init(jax.random.key(0))``), run as one program whose outputs are created
+        where they live: no context ever holds more than its share of a split leaf.
       contexts: context names, a count (the first n) or None for every context in the map.
         Distinct devices of one kind run one SPMD program per step; contexts that share a
         device or mix kinds run the gather-update-copy loop (see ``mgkit.train``).
@@ -61,6 +66,17 @@ class Trainer(Checkpointing):
         goes on from the newest one.
       prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
         places each batch when the step needs it.
+      shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (default:
+        whole on each), ``"fsdp"`` (every leaf of at least ``FSDP_MIN_SIZE`` elements split along
+        one axis over every context, padded where the axis does not divide; each optimizer-state
+        leaf like its parameter), a dict ``{regex on the leaf's path ("dense/kernel"): axis or
+        None}`` (first match wins; leaves no rule matches follow fsdp; a rule that matches
+        nothing is an error), or a function ``(path, leaf) -> axis or None``. Needs distinct
+        devices of one kind. A state over the devices' memory limit raises before allocating.
+      mesh: the contexts arranged on named axes, ``{"data": 2, "model": 4}`` (sizes multiply to
+        the contexts), for tensor parallelism: rules give a leaf's split per array axis
+        (``{"w1": (None, "model")}``; an int axis splits over every mesh axis), the batch's rows
+        are split over ``"data"`` (else the first axis). None: one axis over all contexts.
 
     Attributes ``params``, ``opt_state`` and ``step`` are always those of the last completed
     step; ``history`` is the last fit's ``History``.
@@ -82,13 +98,15 @@ class Trainer(Checkpointing):
         every: int = 100,
         keep: int | None = 3,
         prefetch: int = 2,
+        shard: Any = "replicate",
+        mesh: Any = None,
     ):
         check_loss_fn(loss_fn, _WHERE)
         check_optimizer(optimizer, _WHERE)
         check_on_nan(on_nan, _WHERE)
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
-        check_params(params, _WHERE)
+        shapes = param_shapes(params, _WHERE)
         self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
         self.on_nan, self.balance = on_nan, balance
         self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
@@ -101,14 +119,26 @@ class Trainer(Checkpointing):
         self._position: dict | None = None
         self.history: History | None = None
         self._checked: set = set()
-        if self.spmd:
-            self._params = copied(params, sharding(devices))
+        self._plan = plan(shapes, shard, mesh, len(devices), _WHERE)
+        check_distinct(self._plan, self.targets, _WHERE)
+        check_fits(self._plan, optimizer, self.targets, _WHERE)
+        split = self.spmd and (self._plan.split or mesh is not None)
+        self._layout = Placement(self._plan, devices) if split else None
+        self._batch_bytes = 0  # of the last fit's first batch, on each context (``memory``)
+        if self._layout is not None:
+            layout = self._layout
+            self._params = layout.create(params) if is_maker(params) else layout.place(params)
+            self._opt = layout.init(optimizer, self._params)
+            self._program = spmd_step(loss_fn, optimizer, self.has_aux, devices, layout=layout)
+            self._replicas: list = []
+        elif self.spmd:
+            self._params = made(params, sharding(devices))
             self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
             self._program = spmd_step(loss_fn, optimizer, self.has_aux, devices)
-            self._replicas: list = []
+            self._replicas = []
         else:
             first = jax.sharding.SingleDeviceSharding(devices[0])
-            self._params = copied(params, first)
+            self._params = made(params, first)
             self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
             self._program = LoopStep(loss_fn, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
@@ -139,6 +169,15 @@ class Trainer(Checkpointing):
     def contexts(self) -> tuple[str, ...]:
         return self.targets.names
 
+    def memory(self) -> MemoryTable:
+        """Bytes per context of the live parameters and optimizer state (each shard where it
+        lives, padding included), and of the last fit's first batch; with each device's limit
+        where it reports one.
+
+        >>> tr.memory().rows()[0].params  # doctest: +SKIP
+        """
+        return live(self.targets, self._params, self._opt, self._batch_bytes)
+
     @property
     def step_fn(self) -> Callable:
         """The compiled step, for a loop of one's own: ``step_fn(params, opt_state, batch,
@@ -151,7 +190,7 @@ class Trainer(Checkpointing):
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
             leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
             if self.spmd:
-                even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
+                even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, False, self._layout)
                 return self._program(params, opt_state, even, rest, key)
             sizes = shares(n, k, self._weights)
             parts = place_parts(leaves, treedef, self.targets, sizes)
@@ -184,7 +223,7 @@ class Trainer(Checkpointing):
         k = len(self.targets.contexts)
         leaves, treedef, n = _data.check_batch(batch, "Trainer.fit", "the batch")
         if self.spmd:
-            even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own)
+            even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own, self._layout)
             return (even, rest), rows
         sizes = shares(n, k, self._weights)
         return (place_parts(leaves, treedef, self.targets, sizes), sizes), sizes
@@ -209,7 +248,7 @@ class Trainer(Checkpointing):
         if structure not in self._checked:
             check_loss_on(
                 self.loss_fn,
-                self._params,
+                self._params if self._layout is None else self._layout.plan_shapes(),  # unpadded
                 batch,
                 self._key,
                 self.has_aux,
@@ -316,9 +355,12 @@ class Trainer(Checkpointing):
     # -- checkpoints -------------------------------------------------------------------------
 
     def _state(self, position: dict | None) -> dict:
+        params, opt = self._params, self._opt
+        if self._layout is not None:  # padded leaves say their own shape (restored into any padding)
+            params, opt = self._layout.stored(self.optimizer, params, opt)
         return {
-            "params": self._params,
-            "opt_state": self._opt,
+            "params": params,
+            "opt_state": opt,
             "step": self._step,
             "key": None if self._key is None else self._key,
             "data": {} if position is None else dict(position),
@@ -326,6 +368,8 @@ class Trainer(Checkpointing):
 
     def _restore(self, back: dict) -> None:
         self._params, self._opt, self._step = back["params"], back["opt_state"], int(back["step"])
+        if self._layout is not None:
+            self._params, self._opt = Placement.unstored(self._params), Placement.unstored(self._opt)
         if self._key is not None and back["key"] is not None:
             self._key = back["key"]
         self._position = back["data"] or None
@@ -354,6 +398,7 @@ class Trainer(Checkpointing):
 
     def _compile(self, placed: tuple) -> None:
         """Compiles the step for these arguments while Ctrl-C still works (``_progress.compile``)."""
+        self._batch_bytes = batch_bytes(placed)
         if self.spmd:
             key = None if self._key is None else jax.random.fold_in(self._key, 0)
             _progress.compile(self._program, (self._params, self._opt, *placed, key))
