@@ -111,7 +111,9 @@ def test_memory_per_context_is_its_share(n):
 
 
 def test_fits_plans_what_the_trainer_then_holds():
-    planned = mg.fits(lambda: init(jax.random.key(0)), optax.adam(1e-3), shard="fsdp", contexts=3, batch=DATA["x"][:BATCH])
+    planned = mg.fits(
+        lambda: init(jax.random.key(0)), optax.adam(1e-3), shard="fsdp", contexts=3, batch=DATA["x"][:BATCH]
+    )
     shapes = jax.eval_shape(lambda: PARAMS)
     from_shapes = mg.fits(shapes, optax.adam(1e-3), shard="fsdp", contexts=3, limit="16 GB")
     tr = _fit(steps=1, contexts=3, shard="fsdp")
@@ -207,7 +209,11 @@ BAD = [
         r"the layout \('rows',\) of 'b1' names mesh axis 'rows', which the mesh does not have",
     ),
     ({"shard": lambda p, leaf: 1.5}, TypeError, r"the layout of 'b1' is 1.5; give an axis \(int\), None"),
-    ({"mesh": {"data": 3, "model": 2}}, ValueError, r"arranges 6 contexts, but the trainer has 8.*multiply"),
+    (
+        {"mesh": {"data": 3, "model": 2}},
+        ValueError,
+        r"arranges 6 contexts, but there are 8; the sizes must multiply to 8",
+    ),
     ({"mesh": [2, 4]}, TypeError, r"mesh must be a dict of axis names and sizes"),
     ({"mesh": {"data": 0, "model": 8}}, ValueError, r"mesh entry 'data': 0; each axis is a name and a size"),
     (
@@ -246,6 +252,8 @@ def test_sharding_over_contexts_that_share_a_device_is_refused():
         mg.Trainer(loss_fn, optax.sgd(0.1), PARAMS, shard="fsdp")
     with pytest.raises(ValueError, match=r"share a device"):
         mg.fits(PARAMS, optax.sgd(0.1), shard="fsdp")
+    with pytest.raises(ValueError, match=r"shard=\{'b': None\} splits parameters.*share a device"):
+        mg.Trainer(loss_fn, optax.sgd(0.1), PARAMS, shard={"b": None})  # asked for, though none splits
     mg.Trainer(loss_fn, optax.sgd(0.1), PARAMS)  # replicated: the gather-update-copy loop, as before
 
 

@@ -201,7 +201,7 @@ def fits(
 
 def check_distinct(plan_: Plan, targets: Targets, where: str) -> None:
     """A split plan (or a mesh) needs distinct devices of one kind: else a clear error."""
-    if targets.spmd or (not plan_.split and len(plan_.axes) == 1):
+    if targets.spmd or not plan_.asked:
         return
     devices = targets.devices
     shared = [c.name for c in targets.contexts if devices.count(c.device) > 1]

@@ -94,6 +94,11 @@ class Plan(NamedTuple):
         """Whether any parameter is split (else every context holds the whole state)."""
         return any(any(s) for s in (lay.spec for lay in layouts(self.leaves)))
 
+    @property
+    def asked(self) -> bool:
+        """Whether ``shard=`` or ``mesh=`` asked for more than replicating on one mesh axis."""
+        return not (isinstance(self.shard, str) and self.shard == "replicate") or list(self.axes) != [AXIS]
+
 
 def layouts(tree: Any) -> list[LeafLayout]:
     """The layouts of a tree of layouts, in leaf order."""
@@ -131,8 +136,8 @@ def mesh_axes(mesh: Any, n: int, where: str) -> dict[str, int]:
             )
     if math.prod(mesh.values()) != n:
         raise ValueError(
-            f"{where}: mesh={dict(mesh)} arranges {math.prod(mesh.values())} contexts, but the trainer "
-            f"has {n}; the sizes must multiply to {n}, e.g. mesh={{'data': {n}, 'model': 1}}"
+            f"{where}: mesh={dict(mesh)} arranges {math.prod(mesh.values())} contexts, but there are "
+            f"{n}; the sizes must multiply to {n}, e.g. mesh={{'data': {n}, 'model': 1}}"
         )
     return dict(mesh)
 
@@ -225,6 +230,11 @@ def _layout(name: str, shape: tuple, dtype: Any, choice: Any, axes: dict, where:
             "or with mesh= one mesh axis name (or None) per array axis, e.g. (None, 'model')"
         )
     if isinstance(choice, int):
+        if not shape:
+            raise ValueError(
+                f"{where}: axis {choice} for {name!r}: the leaf is a scalar, which cannot be split; "
+                "give None to replicate it"
+            )
         if not -len(shape) <= choice < len(shape):
             raise ValueError(
                 f"{where}: axis {choice} for {name!r} is out of range: the leaf has shape {shape} "

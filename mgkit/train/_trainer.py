@@ -67,7 +67,7 @@ class Trainer(Checkpointing):
       prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
         places each batch when the step needs it.
       shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (default:
-        whole on each), ``"fsdp"`` (every leaf of at least ``FSDP_MIN_SIZE`` elements split along
+        whole on each), ``"fsdp"`` (every leaf of at least 1,024 elements split along
         one axis over every context, padded where the axis does not divide; each optimizer-state
         leaf like its parameter), a dict ``{regex on the leaf's path ("dense/kernel"): axis or
         None}`` (first match wins; leaves no rule matches follow fsdp; a rule that matches
@@ -174,7 +174,12 @@ class Trainer(Checkpointing):
         lives, padding included), and of the last fit's first batch; with each device's limit
         where it reports one.
 
-        >>> tr.memory().rows()[0].params  # doctest: +SKIP
+        >>> import mgkit as mg, optax, jax.numpy as jnp
+        >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+        >>> loss = lambda p, b: jnp.mean(b @ p["w"])
+        >>> tr = mg.Trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((4096, 4))}, shard="fsdp")
+        >>> [(r.context, r.params, r.opt_state) for r in tr.memory().rows()]
+        [('a', 32768, 65540), ('b', 32768, 65540)]
         """
         return live(self.targets, self._params, self._opt, self._batch_bytes)
 
