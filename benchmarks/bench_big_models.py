@@ -119,12 +119,11 @@ def memory(args) -> None:
             continue
         tr = mg.Trainer(small_loss, optax.adam(1e-3), params, contexts=n, shard="fsdp")
         tr.fit(data, steps=1, batch_size=60, progress=False)
-        pad_rows = 0
-        for k, x in tr.params.items():
-            spec = x.sharding.spec
-            if any(spec):
-                ax = next(i for i, s in enumerate(spec) if s)
-                pad_rows += 3 * int(np.prod(params[k].shape)) // params[k].shape[ax] * 4
+        pad_rows = 0  # one row of the split axis per split leaf, for the leaf, mu and nu
+        for lay in jax.tree_util.tree_leaves(tr._plan.leaves):
+            if any(lay.spec):
+                ax = next(i for i, names in enumerate(lay.spec) if names)
+                pad_rows += 3 * int(np.prod(lay.shape)) // lay.shape[ax] * 4
         bound = (3 * whole + 4) / n * 1.05 + pad_rows
         most = max(r.params + r.opt_state for r in tr.memory().rows())
         rows.append(

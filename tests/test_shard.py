@@ -68,9 +68,11 @@ def test_fsdp_equals_the_replicated_run_on_one_device(reference, n):
         np.testing.assert_allclose(got[k], reference[k], **TOL, err_msg=k)
     assert tr.params["b1"].sharding.spec == jax.sharding.PartitionSpec(None)  # small leaves replicated
     if n > 1:
-        assert len({str(s.index) for s in tr.params["w1"].addressable_shards}) == n  # split, n parts
-    if n == 3:  # neither 784 nor 100 divides by 3: stored padded, the math unchanged
-        assert tr.params["w1"].shape == (786, 100)
+        assert len({str(s.index) for s in tr._params["w1"].addressable_shards}) == n  # split, n parts
+    if n == 3:  # neither 784 nor 100 divides by 3: stored padded (262 rows each), the math unchanged
+        assert tr.params["w1"].shape == (784, 100) and tr.opt_state[0].mu["w1"].shape == (784, 100)
+        w2_share = 34 * 16 * 4  # 100 rows padded to 102
+        assert tr.memory().rows()[0].params == 262 * 100 * 4 + w2_share + (100 + 16) * 4
 
 
 def test_tensor_parallel_mesh_equals_the_replicated_run(reference):
@@ -83,6 +85,19 @@ def test_tensor_parallel_mesh_equals_the_replicated_run(reference):
     assert tr.params["w1"].addressable_shards[0].data.shape == (784, 25)
     mu = tr.opt_state[0].mu["w1"]  # adam's moments split like their parameter
     assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_step_fn_takes_the_state_in_its_own_shapes_or_as_stored():
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=3, shard="fsdp")
+    p, s = tr.params, tr.opt_state
+    batch = {k: v[:BATCH] for k, v in DATA.items()}
+    for _ in range(3):
+        out = tr.step_fn(p, s, batch)
+        p, s = out.params, out.opt_state
+    assert p["w1"].shape == (786, 100)  # as stored: given back as it is
+    tr.fit(lambda step: batch, steps=3, progress=False)
+    for k in PARAMS:
+        np.testing.assert_array_equal(_values(p)[k], _values(tr.params)[k])
 
 
 def test_rules_first_match_wins_and_unmatched_follow_fsdp():
@@ -101,11 +116,11 @@ def test_memory_per_context_is_its_share(n):
     tr = _fit(steps=1, contexts=n, shard="fsdp")
     whole = sum(x.nbytes for x in PARAMS.values())
     total = 3 * whole + 4  # adam: parameters, mu and nu, and a count
-    split = [k for k, v in tr.params.items() if v.sharding.spec != jax.sharding.PartitionSpec(None)]
     rows = 0
-    for k in split:  # one padding row (of the split axis) per split leaf, for each of its 3 copies
-        ax = next(i for i, s in enumerate(tr.params[k].sharding.spec) if s)
-        rows += 3 * math.prod(PARAMS[k].shape) // PARAMS[k].shape[ax] * 4
+    for lay in jax.tree_util.tree_leaves(tr._plan.leaves):  # one padding row per split leaf, x 3 copies
+        if any(lay.spec):
+            ax = next(i for i, names in enumerate(lay.spec) if names)
+            rows += 3 * math.prod(lay.shape) // lay.shape[ax] * 4
     for row in tr.memory().rows():  # read from the live shards
         assert row.params + row.opt_state <= total / n * 1.05 + rows, (row, total / n)
 
@@ -182,7 +197,7 @@ def test_padded_state_is_saved_as_shards_and_restored_into_any_padding(tmp_path)
     kw = {"contexts": 3, "shard": "fsdp", "checkpoint": tmp_path, "every": 5}
     tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, **kw)
     tr.fit(DATA, steps=5, batch_size=BATCH, progress=False)
-    assert tr.params["w1"].shape == (786, 100)
+    assert tr._params["w1"].shape == (786, 100)  # stored padded
     sharding_files = list(tmp_path.rglob("_sharding"))
     assert sharding_files and "mgkit" in sharding_files[0].read_text()  # written split, not gathered
     wide = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, **(kw | {"contexts": 5}))

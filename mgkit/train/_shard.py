@@ -64,8 +64,8 @@ class LeafLayout:
         return P(*(None if not names else names[0] if len(names) == 1 else names for names in self.spec))
 
     def pad(self, x: jax.Array) -> jax.Array:
-        """``x`` (of ``shape``) with zeros appended up to ``padded``."""
-        if self.padded == self.shape:
+        """``x`` (of ``shape``) with zeros appended up to ``padded`` (already padded: as it is)."""
+        if self.padded == self.shape or x.shape == self.padded:
             return x
         return jnp.pad(x, [(0, p - s) for s, p in zip(self.shape, self.padded, strict=True)])
 
@@ -308,11 +308,29 @@ class Placement:
         return self._each(optimizer, params, opt_state, LeafLayout.unpad)
 
     def _each(self, optimizer: Any, params: Any, opt_state: Any, how: Callable) -> tuple[Any, Any]:
-        if not any(lay.padded != lay.shape for lay in layouts(self.plan.leaves)):
+        if not self.padding:
             return params, opt_state
         params = jax.tree_util.tree_map(lambda lay, x: how(lay, x), self.plan.leaves, params)
         opt_state = param_like(optimizer, opt_state, self.plan.leaves, lambda x, lay: how(lay, x), None)
         return params, opt_state
+
+    @property
+    def padding(self) -> bool:
+        """Whether any leaf is stored padded."""
+        return any(lay.padded != lay.shape for lay in layouts(self.plan.leaves))
+
+    def as_stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """A state given in the leaves' own shapes (or as stored) laid out as stored: padded and
+        split (one program; a state stored already comes back as it is)."""
+        shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
+        if shapes == [lay.padded for lay in layouts(self.plan.leaves)]:
+            return params, opt_state
+        out = (self.params, self.opt_state(optimizer))
+        return jax.jit(lambda p, o: self.pad(optimizer, p, o), out_shardings=out)(params, opt_state)
+
+    def as_own(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The stored state in the leaves' own shapes (a padded leaf's slice, on every context)."""
+        return jax.jit(lambda p, o: self.unpad(optimizer, p, o))(params, opt_state)
 
     def stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """The state as checkpoints take it: each padded leaf as a ``Padded`` (its own shape kept)."""

@@ -125,6 +125,7 @@ class Trainer(Checkpointing):
         split = self.spmd and (self._plan.split or mesh is not None)
         self._layout = Placement(self._plan, devices) if split else None
         self._batch_bytes = 0  # of the last fit's first batch, on each context (``memory``)
+        self._unpadded: tuple = (None, None)  # (stored params, their state unpadded) for ``params``
         if self._layout is not None:
             layout = self._layout
             self._params = layout.create(params) if is_maker(params) else layout.place(params)
@@ -152,13 +153,23 @@ class Trainer(Checkpointing):
     @property
     def params(self) -> Any:
         """The parameters after the last completed step (the trainer's own arrays: the next fit
-        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot)."""
-        return self._params
+        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot). A leaf that
+        ``shard=`` stores padded comes in its own shape, a copy on every context."""
+        return self._own()[0]
 
     @property
     def opt_state(self) -> Any:
-        """The optimizer state after the last completed step."""
-        return self._opt
+        """The optimizer state after the last completed step (padded leaves as ``params``)."""
+        return self._own()[1]
+
+    def _own(self) -> tuple[Any, Any]:
+        """The state in the leaves' own shapes: as stored, or without padding (made once per step)."""
+        if self._layout is None or not self._layout.padding:
+            return self._params, self._opt
+        if self._unpadded[0] is not self._params:
+            own = self._layout.as_own(self.optimizer, self._params, self._opt)
+            self._unpadded = (self._params, own)
+        return self._unpadded[1]
 
     @property
     def step(self) -> int:
@@ -189,11 +200,14 @@ class Trainer(Checkpointing):
         key=None)`` splits the batch over the contexts (recorded in the ledger), runs one step
         and returns ``StepOut(params, opt_state, loss, ok, aux)``. It donates ``params`` and
         ``opt_state`` (use the returned ones); ``ok`` is False where the update was skipped
-        (a loss or gradient not finite). The trainer's own state is not touched."""
+        (a loss or gradient not finite). The trainer's own state is not touched. With ``shard=``,
+        leaves stored padded come back padded: give them back as they are."""
         k = len(self.targets.contexts)
 
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
             leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
+            if self._layout is not None:  # a state in its own shapes padded (stored: kept)
+                params, opt_state = self._layout.as_stored(self.optimizer, params, opt_state)
             if self.spmd:
                 even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, False, self._layout)
                 return self._program(params, opt_state, even, rest, key)
