@@ -106,7 +106,9 @@ def test_rules_first_match_wins_and_unmatched_follow_fsdp():
     assert specs["w1"] == jax.sharding.PartitionSpec() and specs["w2"] == jax.sharding.PartitionSpec()
     tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=4, shard={"w2": None})
     assert tr.params["w1"].sharding.spec == jax.sharding.PartitionSpec("mgkit", None)  # fsdp
-    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=4, shard=lambda path, leaf: leaf.ndim - 1)
+    tr = mg.Trainer(
+        loss_fn, optax.adam(1e-3), PARAMS, contexts=4, shard=lambda path, leaf: np.int64(leaf.ndim - 1)
+    )
     assert tr.params["b1"].sharding.spec == jax.sharding.PartitionSpec("mgkit")
     assert tr.opt_state[0].count.sharding.spec == jax.sharding.PartitionSpec()  # scalars replicated
 

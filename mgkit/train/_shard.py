@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -159,10 +160,9 @@ def plan(shapes: Any, shard: Any, mesh: Any, n: int, where: str) -> Plan:
     return Plan(axes, batch_axis, jax.tree_util.tree_unflatten(treedef, out), shard)
 
 
-def _fsdp(name: str, leaf: Any, parts: int) -> int | None:
-    """fsdp's axis for a leaf: None below FSDP_MIN_SIZE elements, else the largest axis that
-    divides by ``parts``, else the largest axis (to be padded)."""
-    shape = leaf.shape
+def _fsdp(shape: tuple[int, ...], parts: int) -> int | None:
+    """fsdp's axis for a leaf of ``shape``: None below FSDP_MIN_SIZE elements, else the largest
+    axis that divides by ``parts``, else the largest axis (to be padded)."""
     if math.prod(shape) < FSDP_MIN_SIZE or not shape:
         return None
     order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
@@ -220,10 +220,12 @@ def _check_rules_used(rules: Mapping, paths: list[str], where: str) -> None:
 def _layout(name: str, shape: tuple, dtype: Any, choice: Any, axes: dict, where: str) -> LeafLayout:
     """One leaf's layout from a chooser's answer (checked against the leaf and the mesh)."""
     if choice is _FSDP:
-        choice = _fsdp(name, jax.ShapeDtypeStruct(shape, dtype), math.prod(axes.values()))
+        choice = _fsdp(shape, math.prod(axes.values()))
     spec: list = [None] * len(shape)
     if isinstance(choice, str):  # one mesh axis name: the leaf's first axis split over it
         choice = (choice,)
+    elif isinstance(choice, numbers.Integral) and not isinstance(choice, bool):
+        choice = int(choice)  # numpy integers too
     if isinstance(choice, bool) or (choice is not None and not isinstance(choice, int | tuple | list | P)):
         raise TypeError(
             f"{where}: the layout of {name!r} is {choice!r:.80}; give an axis (int), None to replicate, "
