@@ -57,6 +57,7 @@ from .train import MemberError as MemberError
 from .train import Pipeline as Pipeline
 from .train import PrecisionWarning as PrecisionWarning
 from .train import Trainer as Trainer
+from .train import fits as fits
 
 __all__ = [
     "ContextError",
@@ -95,6 +96,7 @@ __all__ = [
     "current",
     "device_of",
     "devices",
+    "fits",
     "launch",
     "launching",
     "ledger",

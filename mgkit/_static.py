@@ -26,14 +26,15 @@ ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)  # leaves that are arrays
 
 
 def is_array(leaf: Any) -> bool:
-    """Whether a leaf is an array (JAX or numpy, a numpy scalar included)."""
-    return isinstance(leaf, ARRAY_TYPES)
+    """Whether a leaf is an array (JAX or numpy, a numpy scalar included) or an array's shape
+    (``jax.ShapeDtypeStruct``, as ``jax.eval_shape`` gives it)."""
+    return isinstance(leaf, (*ARRAY_TYPES, jax.ShapeDtypeStruct))
 
 
 def is_static(leaf: Any) -> bool:
     """Whether a leaf is held static: neither an array nor a number (a function, a string,
     any other object)."""
-    return not isinstance(leaf, (*ARRAY_TYPES, numbers.Number))
+    return not isinstance(leaf, (*ARRAY_TYPES, jax.ShapeDtypeStruct, numbers.Number))
 
 
 def _is_none(x: Any) -> bool:

@@ -333,3 +333,31 @@ def test_a_flax_nnx_module_and_its_state_train_as_the_nnx_loop_does():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+# -- big models: split, created split, accumulated ---------------------------------------------
+
+
+def _wide():
+    return eqx.nn.MLP(3, 2, 512, 1, activation=jax.nn.tanh, key=jax.random.key(4))
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_module_trains_split_over_the_contexts(made):
+    optimizer = optax.adam(1e-2)
+    want, want_losses = _reference(_wide(), optimizer, _batches(), 6)
+    tr = mg.Trainer(_loss, optimizer, _wide if made else _wide(), shard="fsdp", contexts=3)
+    hist = tr.fit(_data(), steps=6, batch_size=BATCH, shuffle=False)
+    assert tr.params.activation is jax.nn.tanh  # the module, its functions held
+    weight = tr.params.layers[0].weight  # stored split: each context holds a third
+    assert len(weight.sharding.device_set) == 3 and weight.addressable_shards[0].data.size == weight.size // 3
+    _assert_same_model(tr.params, want)
+    np.testing.assert_allclose(hist.loss, want_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_accumulates_as_the_whole_batch():
+    optimizer = optax.sgd(0.1)
+    want, _ = _reference(Net(jax.random.key(2)), optimizer, _batches(), 4)
+    tr = mg.Trainer(_loss, optimizer, Net(jax.random.key(2)))
+    tr.fit(_data(), steps=4, batch_size=BATCH, shuffle=False, accumulate=2)
+    _assert_same_model(tr.params, want)

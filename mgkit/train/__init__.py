@@ -5,7 +5,9 @@ stages, their compiled steps, data, history and checkpoints.
 context in the map: one SPMD program per step over distinct devices of one kind, the
 gather-update-copy loop (per-context gradients gathered on the first context, the update
 there, the parameters copied back) where contexts share a device or mix kinds. ``fit``
-returns a ``History``.
+returns a ``History``. With ``shard="fsdp"`` (or rules, or ``mesh=`` for tensor parallelism)
+parameters and optimizer state are split over the contexts (``_shard``); ``mg.fits`` plans the
+bytes per context from shapes before anything is allocated (``_memory``).
 
 ``mg.Ensemble({ctx: mg.Member(...)})`` trains different models side by side, one per context
 (or several on one); ``mg.Pipeline([(ctx, fn, params), ...], loss)`` splits one model
@@ -29,6 +31,8 @@ from ._member import EnsembleResult as EnsembleResult
 from ._member import Member as Member
 from ._member import MemberError as MemberError
 from ._member import MemberResult as MemberResult
+from ._memory import MemoryTable as MemoryTable
+from ._memory import fits as fits
 from ._pipeline import Pipeline as Pipeline
 from ._precision import PrecisionWarning as PrecisionWarning
 from ._trainer import Trainer as Trainer
@@ -41,8 +45,10 @@ __all__ = [
     "Member",
     "MemberError",
     "MemberResult",
+    "MemoryTable",
     "Pipeline",
     "PrecisionWarning",
     "StepsSkipped",
     "Trainer",
+    "fits",
 ]

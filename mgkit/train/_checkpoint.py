@@ -48,7 +48,7 @@ def _orbax(where: str):
 
 
 def _has_arrays(tree: Any) -> bool:
-    return any(isinstance(x, jax.Array | np.ndarray) for x in jax.tree_util.tree_leaves(tree))
+    return any(isinstance(x, jax.Array | np.ndarray | _tree.Padded) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _plain(x: Any) -> Any:  # numpy scalars in JSON entries (a data position's index) as Python's
@@ -283,7 +283,7 @@ class Checkpoints:
         manifest, leaves = _tree.records(trees, self.where)
         infos = [r for r in manifest if r["kind"] != "node"]
         arrays = {
-            str(i): jax.random.key_data(x) if info["kind"] == "key" else x
+            str(i): _tree.stored(x, info["kind"])
             for i, (x, info) in enumerate(zip(leaves, infos, strict=True))
             if info["kind"] != "value"
         }
@@ -355,8 +355,11 @@ class Checkpoints:
         abstract = {
             str(i): _tree.abstract(x, saved[i]) for i, x in enumerate(xs) if saved[i]["kind"] != "value"
         }
+        strict = not any(_tree.padded(saved[i], x) for i, x in enumerate(xs))  # else pads may differ
         got = (
-            self._read(step, ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)))["arrays"]
+            self._read(step, ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract, strict=strict)))[
+                "arrays"
+            ]
             if abstract
             else {}
         )

@@ -6,6 +6,7 @@ differ and put the leaves back into the model's own tree structure.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -13,8 +14,20 @@ import jax
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class Padded:
+    """A leaf stored with zeros appended along its split axes (a trainer's ``shard=``): its
+    checkpoint records the leaf's own shape, and a restore fills any padding (or none) from it,
+    each context reading its own part. Not a pytree node: a leaf of the state's trees."""
+
+    array: jax.Array  # the stored, padded array
+    shape: tuple[int, ...]  # the leaf's shape without the padding
+
+
 def kind(x: Any) -> str:
     """How a leaf is stored: "key" (typed PRNG key, as its key data), "array" (jax), "numpy", "value"."""
+    if isinstance(x, Padded):
+        return "array"
     if isinstance(x, jax.Array):
         return "key" if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else "array"
     return "numpy" if isinstance(x, np.ndarray | np.generic) else "value"
@@ -45,9 +58,23 @@ def _leaf_info(path: str, x: Any, where: str) -> dict:
         )
     if how == "value":
         return {"path": path, "kind": how, "value": x}
-    data = jax.random.key_data(x) if how == "key" else x
+    data = stored(x, how)
     info = {"path": path, "kind": how, "shape": list(np.shape(data)), "dtype": str(np.dtype(data.dtype))}
+    if isinstance(x, Padded):
+        info |= {"shape": list(x.shape), "stored": list(np.shape(data))}
     return info | ({"impl": str(jax.random.key_impl(x))} if how == "key" else {})
+
+
+def stored(x: Any, how: str) -> Any:
+    """What orbax writes for a leaf stored as ``how`` (``kind(x)``): a key's data, a padded leaf's
+    padded array, else the leaf."""
+    return jax.random.key_data(x) if how == "key" else x.array if isinstance(x, Padded) else x
+
+
+def padded(saved: dict, x: Any) -> bool:
+    """Whether a saved leaf or the model's leaf ``x`` is stored padded (its restore then fills
+    one padding from another: orbax's non-strict restore)."""
+    return "stored" in saved or isinstance(x, Padded)
 
 
 def records(trees: dict, where: str) -> tuple[list[dict], list[Any]]:
@@ -125,6 +152,8 @@ def first_difference(saved: list[dict], model: list[dict]) -> str | None:
 
 def abstract(x: Any, info: dict) -> jax.ShapeDtypeStruct:
     """What orbax restores a leaf into: ``x``'s shape, dtype and sharding (numpy leaves: none)."""
+    if isinstance(x, Padded):
+        return jax.ShapeDtypeStruct(x.array.shape, info["dtype"], sharding=x.array.sharding)
     sharding = None if info["kind"] == "numpy" else x.sharding  # a key's sharding fits its key data
     return jax.ShapeDtypeStruct(tuple(info["shape"]), info["dtype"], sharding=sharding)
 
@@ -133,6 +162,8 @@ def rebuild(x: Any, saved: dict, got: Any) -> Any:
     """A restored leaf as the model's leaf ``x`` holds it: a typed key rewrapped, a numpy scalar a scalar."""
     if saved["kind"] == "key":
         return jax.random.wrap_key_data(got, impl=jax.random.key_impl(x))
+    if isinstance(x, Padded):
+        return Padded(got, x.shape)
     if saved["kind"] == "numpy":
         return np.asarray(got)[()] if isinstance(x, np.generic) else np.asarray(got)
     return saved["value"] if saved["kind"] == "value" else got

@@ -57,7 +57,8 @@ def check_params(params: Any, where: str, what: str = "params") -> Model:
         if not is_array(leaf):
             held.append(f"{name} ({describe(leaf)})")
             continue
-        leaves_of(leaf, where, lambda _, name=name: f"{what} leaf {name}")  # an object array is refused
+        if isinstance(leaf, np.ndarray):
+            leaves_of(leaf, where, lambda _, name=name: f"{what} leaf {name}")  # an object array is refused
         if not np.issubdtype(leaf.dtype, np.inexact):
             raise TypeError(
                 f"{where}: {what} leaf {name} has dtype {leaf.dtype}; parameters are trained by "

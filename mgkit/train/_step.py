@@ -78,6 +78,7 @@ def spmd_step(
     gated: bool = False,
     accumulate: int = 1,
     precision: str = "fp32",
+    layout: Any = None,
 ) -> Callable:
     """The jitted step over ``devices``: (params, opt_state, even, rest, key) -> StepOut, with
     ``even`` split over the devices (None for a batch with fewer rows than devices) and ``rest``
@@ -92,20 +93,30 @@ def spmd_step(
 
     ``accumulate``: microbatches per batch, run in a ``lax.scan`` (``_accumulate``);
     ``precision``: the loss function's compute dtype (``_precision``). With ``"fp16"`` the step
-    takes ``alive`` (None where not gated) and the ``LossScale``, and returns the next one."""
+    takes ``alive`` (None where not gated) and the ``LossScale``, and returns the next one.
+    ``layout``: a ``Placement`` (``shard=``): parameters and optimizer state stored split (and
+    padded) as it says, the batch split over its batch axis; None: replicated."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
+    state, groups = (rep, rep), len(devices)
+    if layout is not None:
+        rep, split = layout.rep, layout.split
+        state, groups = (layout.params, layout.opt_state(optimizer)), layout.batch_parts
     grad = batch_gradient(
         in_precision(loss_fn, precision),
         has_aux,
         accumulate,
-        len(devices),
+        groups,
         lambda tree: jax.lax.with_sharding_constraint(tree, split),
     )
 
     def step(params, opt_state, even, rest, key, alive=None, scale=None):
+        if layout is not None:  # the math sees the leaves without their padding
+            params, opt_state = layout.unpad(optimizer, params, opt_state)
         loss, aux, grads = grad(params, even, rest, key, scale)
         scale = next_scale(scale, loss, grads)
         params, opt_state, ok = update(optimizer, params, opt_state, loss, grads, alive)
+        if layout is not None:
+            params, opt_state = layout.pad(optimizer, params, opt_state)
         if gated:  # one scalar tells both: the loss where the update applied, NaN where not
             loss = jnp.where(ok, loss, jnp.nan)
         return StepOut(params, opt_state, loss, ok, aux, scale)
@@ -113,8 +124,8 @@ def spmd_step(
     extra = 2 if precision == "fp16" else int(gated)
     return jax.jit(
         step,
-        in_shardings=(rep, rep, split, rep, rep) + (rep,) * extra,
-        out_shardings=StepOut(rep, rep, rep, rep, rep, rep),
+        in_shardings=(*state, split, rep, rep) + (rep,) * extra,
+        out_shardings=StepOut(*state, rep, rep, rep, rep),
         donate_argnums=(0, 1),
     )
 
@@ -135,15 +146,18 @@ def split_rows(leaves: list, n: int, k: int) -> tuple[list | None, list | None]:
     return [leaf[:even] for leaf in leaves], [leaf[even:] for leaf in leaves]
 
 
-def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) -> tuple[Any, Any, tuple]:
+def place_spmd_batch(
+    leaves: list, treedef: Any, targets: Targets, own: bool, layout: Any = None
+) -> tuple[Any, Any, tuple]:
     """Places a batch for ``spmd_step``: its even part split over the contexts, its last rows on
     every one; recorded in the ledger (split and replicate events). ``own``: host arrays made
-    for this batch (not the caller's), placed without a private copy. Returns (even, rest,
-    rows per context)."""
-    k = len(targets.contexts)
+    for this batch (not the caller's), placed without a private copy. ``layout``: the step's
+    ``Placement`` (the rows split over its batch axis only), or None. Returns (even, rest, rows
+    per context)."""
+    k = len(targets.contexts) if layout is None else layout.batch_parts
     n = np.shape(leaves[0])[0]
     even, rest = split_rows(leaves, n, k)
-    sizes = (n // k,) * k
+    sizes = (n // k,) * len(targets.contexts)
     t0, start = time.perf_counter(), time.time()
     moving = [(x, 0) for x in even or ()] + [(x, None) for x in rest or ()]
     values = [x for x, _ in moving]
@@ -152,7 +166,10 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
         host = [i for i, x in enumerate(values) if _spmd.needs_private(x, cpu)]
         for i, c in zip(host, _spmd.private([values[i] for i in host]), strict=True):
             values[i] = c
-    shardings = [sharding(targets.devices, AXIS, ax) for _, ax in moving]
+    shardings = [
+        sharding(targets.devices, AXIS, ax) if layout is None else layout.batch_sharding(ax)
+        for _, ax in moving
+    ]
     placed = _spmd.put(values, shardings)
     nbytes = sum(x.size * x.dtype.itemsize for x in values)  # numpy or jax arrays (check_batch)
     at_once = time.perf_counter() if _spmd.lands_at_once(targets.devices, nbytes) else None
@@ -160,6 +177,8 @@ def place_spmd_batch(leaves: list, treedef: Any, targets: Targets, own: bool) ->
     r = len(even or ())
     even_tree = None if even is None else jax.tree_util.tree_unflatten(treedef, placed[:r])
     rest_tree = None if rest is None else jax.tree_util.tree_unflatten(treedef, placed[r:])
+    if len(sizes) != k:  # contexts that share rows (a mesh's other axes): rows of the whole batch
+        return even_tree, rest_tree, _spmd.shares(n, len(sizes))
     extra = n - sum(sizes)
     rows = tuple(s + (extra if i == 0 else 0) for i, s in enumerate(sizes))
     return even_tree, rest_tree, rows

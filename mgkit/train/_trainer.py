@@ -14,12 +14,15 @@ from .._spmd import Targets, resolve, sharding, shares
 from . import _data
 from ._accumulate import check_rows
 from ._checkpoint import Checkpointing, Checkpoints
-from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
+from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer
 from ._feed import Feed
 from ._history import History
+from ._initial import initial, made
 from ._loop import Fit, check_on_nan, not_finite, reads_late
+from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
-from ._step import LoopStep, StepOut, copied, place_parts, place_spmd_batch, spmd_step
+from ._shard import Placement, plan
+from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
 
@@ -45,7 +48,10 @@ class Trainer(Checkpointing):
       params: the initial parameters, any pytree of float arrays (copied: the trainer's own
         arrays are donated to each step, never yours), or a model that is a pytree, such as an
         Equinox module: its other leaves (functions, strings, objects) are held as given,
-        neither placed nor differentiated, as ``eqx.partition(model, eqx.is_array)`` does.
+        neither placed nor differentiated, as ``eqx.partition(model, eqx.is_array)`` does. Or
+        a function of no arguments that makes them (``lambda: init(jax.random.key(0))``), run
+        as one program whose outputs are created where they live: no context ever holds more
+        than its share of a split leaf.
       contexts: context names, a count (the first n) or None for every context in the map.
         Distinct devices of one kind run one SPMD program per step; contexts that share a
         device or mix kinds run the gather-update-copy loop (see ``mgkit.train``).
@@ -65,6 +71,17 @@ class Trainer(Checkpointing):
         goes on from the newest one.
       prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
         places each batch when the step needs it.
+      shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (default:
+        whole on each), ``"fsdp"`` (every leaf of at least 1,024 elements split along
+        one axis over every context, padded where the axis does not divide; each optimizer-state
+        leaf like its parameter), a dict ``{regex on the leaf's path ("dense/kernel"): axis or
+        None}`` (first match wins; leaves no rule matches follow fsdp; a rule that matches
+        nothing is an error), or a function ``(path, leaf) -> axis or None``. Needs distinct
+        devices of one kind. A state over the devices' memory limit raises before allocating.
+      mesh: the contexts arranged on named axes, ``{"data": 2, "model": 4}`` (sizes multiply to
+        the contexts), for tensor parallelism: rules give a leaf's split per array axis
+        (``{"w1": (None, "model")}``; an int axis splits over every mesh axis), the batch's rows
+        are split over ``"data"`` (else the first axis). None: one axis over all contexts.
 
     Attributes ``params``, ``opt_state`` and ``step`` are always those of the last completed
     step; ``history`` is the last fit's ``History``.
@@ -86,13 +103,16 @@ class Trainer(Checkpointing):
         every: int = 100,
         keep: int | None = 3,
         prefetch: int = 2,
+        shard: Any = "replicate",
+        mesh: Any = None,
     ):
         check_loss_fn(loss_fn, _WHERE)
         check_optimizer(optimizer, _WHERE)
         check_on_nan(on_nan, _WHERE)
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
-        self._model = check_params(params, _WHERE)
+        start = initial(params, _WHERE)
+        self._model, shapes = start.model, start.shapes  # the arrays and the leaves held as given
         self._loss = self._model.bind(loss_fn)  # loss_fn of the model's arrays
         self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
         self.on_nan, self.balance = on_nan, balance
@@ -109,13 +129,25 @@ class Trainer(Checkpointing):
         self._programs: dict[tuple[int, str], Any] = {}  # (accumulate, precision) -> compiled step
         self._accumulate, self._precision = 1, "fp32"  # the last fit's
         self._scale, self._warned = None, False  # the LossScale of fp16 fits; warned: on CPU
-        if self.spmd:
-            self._params = copied(self._model.arrays, sharding(devices))
-            self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
+        self._plan = plan(shapes, shard, mesh, len(devices), _WHERE)
+        check_distinct(self._plan, self.targets, _WHERE)
+        check_fits(self._plan, optimizer, self.targets, _WHERE)
+        split = self.spmd and (self._plan.split or mesh is not None)
+        self._layout = Placement(self._plan, devices) if split else None
+        self._batch_bytes = 0  # of the last fit's first batch, on each context (``memory``)
+        self._unpadded: tuple = (None, None)  # (stored params, their state unpadded) for ``params``
+        if self._layout is not None:
+            layout = self._layout
+            self._params = layout.create(start.make) if start.make else layout.place(self._model.arrays)
+            self._opt = layout.init(optimizer, self._params)
             self._replicas: list = []
+        elif self.spmd:
+            self._params = made(start, sharding(devices))
+            self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
+            self._replicas = []
         else:
             first = jax.sharding.SingleDeviceSharding(devices[0])
-            self._params = copied(self._model.arrays, first)
+            self._params = made(start, first)
             self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
             self._replicas = self._copies(self._params)
         self._program = self._built(1, "fp32")
@@ -129,15 +161,26 @@ class Trainer(Checkpointing):
     @property
     def params(self) -> Any:
         """The parameters after the last completed step (the trainer's own arrays: the next fit
-        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot). A model with
+        donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot). A leaf that
+        ``shard=`` stores padded comes in its own shape, a copy on every context. A model with
         leaves other than arrays (an Equinox module's activation) comes back with them as given."""
-        return self._model.join(self._params)
+        return self._model.join(self._own()[0])
 
     @property
     def opt_state(self) -> Any:
-        """The optimizer state after the last completed step (of the model's arrays, as
-        ``optimizer.init(eqx.filter(model, eqx.is_array))`` would make it)."""
-        return self._opt
+        """The optimizer state after the last completed step, of the model's arrays (as
+        ``optimizer.init(eqx.filter(model, eqx.is_array))`` would make it; padded leaves as
+        ``params``)."""
+        return self._own()[1]
+
+    def _own(self) -> tuple[Any, Any]:
+        """The state in the leaves' own shapes: as stored, or without padding (made once per step)."""
+        if self._layout is None or not self._layout.padding:
+            return self._params, self._opt
+        if self._unpadded[0] is not self._params:
+            own = self._layout.as_own(self.optimizer, self._params, self._opt)
+            self._unpadded = (self._params, own)
+        return self._unpadded[1]
 
     @property
     def step(self) -> int:
@@ -148,6 +191,20 @@ class Trainer(Checkpointing):
     def contexts(self) -> tuple[str, ...]:
         return self.targets.names
 
+    def memory(self) -> MemoryTable:
+        """Bytes per context of the live parameters and optimizer state (each shard where it
+        lives, padding included), and of the last fit's first batch; with each device's limit
+        where it reports one.
+
+        >>> import mgkit as mg, optax, jax.numpy as jnp
+        >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+        >>> loss = lambda p, b: jnp.mean(b @ p["w"])
+        >>> tr = mg.Trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((4096, 4))}, shard="fsdp")
+        >>> [(r.context, r.params, r.opt_state) for r in tr.memory().rows()]
+        [('a', 32768, 65540), ('b', 32768, 65540)]
+        """
+        return live(self.targets, self._params, self._opt, self._batch_bytes)
+
     @property
     def step_fn(self) -> Callable:
         """The compiled step, for a loop of one's own: ``step_fn(params, opt_state, batch,
@@ -155,15 +212,18 @@ class Trainer(Checkpointing):
         and returns ``StepOut(params, opt_state, loss, ok, aux)``. It donates ``params`` and
         ``opt_state`` (use the returned ones); ``ok`` is False where the update was skipped
         (a loss or gradient not finite). The trainer's own state is not touched. It is the
-        plain step (no ``accumulate``, float32), whatever the last fit used."""
+        plain step (no ``accumulate``, float32), whatever the last fit used. With ``shard=``,
+        leaves stored padded come back padded: give them back as they are."""
         k = len(self.targets.contexts)
         program = self._built(1, "fp32")
 
         def step_fn(params: Any, opt_state: Any, batch: Any, key: Any = None) -> StepOut:
             leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
             arrays = self._model.arrays_of(params, "Trainer.step_fn", "params")
+            if self._layout is not None:  # a state in its own shapes padded (stored: kept)
+                arrays, opt_state = self._layout.as_stored(self.optimizer, arrays, opt_state)
             if self.spmd:
-                even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, own=False)
+                even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, False, self._layout)
                 out = program(arrays, opt_state, even, rest, key)
             else:
                 sizes = shares(n, k, self._weights)
@@ -185,7 +245,10 @@ class Trainer(Checkpointing):
         if program is None:
             args = (self._loss, self.optimizer, self.has_aux)
             if self.spmd:
-                program = spmd_step(*args, self.targets.devices, accumulate=accumulate, precision=precision)
+                devices = self.targets.devices
+                program = spmd_step(
+                    *args, devices, accumulate=accumulate, precision=precision, layout=self._layout
+                )
             else:
                 program = LoopStep(*args, self.targets, accumulate=accumulate, precision=precision)
             self._programs[(accumulate, precision)] = program
@@ -211,7 +274,7 @@ class Trainer(Checkpointing):
         leaves, treedef, n = _data.check_batch(batch, "Trainer.fit", "the batch")
         check_rows(self._accumulate, n, "Trainer.fit")
         if self.spmd:
-            even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own)
+            even, rest, rows = place_spmd_batch(leaves, treedef, self.targets, own, self._layout)
             return (even, rest), rows
         sizes = shares(n, k, self._weights)
         return (place_parts(leaves, treedef, self.targets, sizes), sizes), sizes
@@ -245,7 +308,7 @@ class Trainer(Checkpointing):
         if structure not in self._checked:
             check_loss_on(
                 self._loss,
-                self._params,
+                self._params if self._layout is None else self._layout.plan_shapes(),  # unpadded
                 batch,
                 self._key,
                 self.has_aux,
@@ -379,9 +442,12 @@ class Trainer(Checkpointing):
     # -- checkpoints -------------------------------------------------------------------------
 
     def _state(self, position: dict | None) -> dict:
+        params, opt = self._params, self._opt
+        if self._layout is not None:  # padded leaves say their own shape (restored into any padding)
+            params, opt = self._layout.stored(self.optimizer, params, opt)
         return {
-            "params": self._params,
-            "opt_state": self._opt,
+            "params": params,
+            "opt_state": opt,
             "step": self._step,
             "key": None if self._key is None else self._key,
             "data": {} if position is None else dict(position),
@@ -390,6 +456,8 @@ class Trainer(Checkpointing):
 
     def _restore(self, back: dict) -> None:
         self._params, self._opt, self._step = back["params"], back["opt_state"], int(back["step"])
+        if self._layout is not None:
+            self._params, self._opt = Placement.unstored(self._params), Placement.unstored(self._opt)
         if self._key is not None and back["key"] is not None:
             self._key = back["key"]
         self._position = back["data"] or None
@@ -420,6 +488,7 @@ class Trainer(Checkpointing):
 
     def _compile(self, placed: tuple) -> None:
         """Compiles the step for these arguments while Ctrl-C still works (``_progress.compile``)."""
+        self._batch_bytes = batch_bytes(placed)
         if self.spmd:
             _progress.compile(self._program, (self._params, self._opt, *self._args(placed, 0)))
 

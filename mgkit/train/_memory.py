@@ -1,0 +1,260 @@
+"""The bytes of a trainer's state on each context, planned from shapes (``mg.fits``: nothing is
+allocated) or read from the live arrays (``Trainer.memory``), against each device's limit."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .. import _devices
+from .._numbers import nbytes
+from .._spmd import Targets, resolve
+from .._table import Table, human_bytes
+from ._initial import param_shapes
+from ._shard import Plan, layouts, param_like, plan, shapes_of
+
+
+class MemoryRow(NamedTuple):
+    """One context's bytes."""
+
+    context: str  # the context's name
+    params: int  # bytes of parameters on it (padding included)
+    opt_state: int  # bytes of optimizer state on it
+    batch: int  # bytes of one batch on it
+    limit: int | None  # its memory limit in bytes (None: unknown)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.opt_state + self.batch
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the total is within the limit (None: the limit is unknown)."""
+        return None if self.limit is None else self.total <= self.limit
+
+
+class LeafBytes(NamedTuple):
+    """A parameter's bytes on each context (with its optimizer state's)."""
+
+    path: str  # the leaf's path ("dense/kernel")
+    nbytes: int  # its bytes on each context, parameter and optimizer state
+    split: bool  # whether it is split (else every context holds it whole)
+
+
+class MemoryTable(Table):
+    """Bytes of parameters, optimizer state and batch per context, and whether they fit the limit.
+
+    ``rows()`` are ``MemoryRow``s (bytes as ints); ``fits`` is False when any context is over its
+    limit (None where no limit is known); ``largest`` the leaves that take the most per context."""
+
+    headers = ("context", "parameters", "optimizer state", "batch", "total", "limit", "fits")
+
+    def __init__(self, rows: list[MemoryRow], title: str, largest: list[LeafBytes] = ()):
+        super().__init__(rows, title)
+        self.largest = list(largest)
+
+    @property
+    def fits(self) -> bool | None:
+        known = [r.fits for r in self._rows if r.fits is not None]
+        return None if not known else all(known)
+
+    def _display_rows(self) -> list[tuple]:
+        return [
+            (
+                r.context,
+                human_bytes(r.params),
+                human_bytes(r.opt_state),
+                human_bytes(r.batch),
+                human_bytes(r.total),
+                "unknown" if r.limit is None else human_bytes(r.limit),
+                {None: "?", True: "yes", False: "NO"}[r.fits],
+            )
+            for r in self._rows
+        ]
+
+    def over(self) -> str:
+        """The contexts over their limit and the largest leaves, in words (for errors)."""
+        bad = [r for r in self._rows if r.fits is False]
+        leaves = ", ".join(
+            f"{leaf.path} {human_bytes(leaf.nbytes)}{'' if leaf.split else ' (whole on each)'}"
+            for leaf in self.largest[:3]
+        )
+        first = bad[0]
+        return (
+            f"{first.context} needs {human_bytes(first.total)} (parameters {human_bytes(first.params)}, "
+            f"optimizer state {human_bytes(first.opt_state)}) but has {human_bytes(first.limit)}"
+            + (f" ({len(bad) - 1} more contexts too)" if len(bad) > 1 else "")
+            + f"; the largest leaves per context: {leaves}"
+        )
+
+
+def device_limit(device: jax.Device | None) -> int | None:
+    """A device's memory limit in bytes: its allocator's, else the one ``mg.simulate(n,
+    memory=...)`` gave simulated devices, else None (unknown)."""
+    return None if device is None else _devices.memory_limit(device)
+
+
+def planned(plan_: Plan, optimizer: Any, names: list[str], limits: list, batch: Any = None) -> MemoryTable:
+    """The bytes per context of a plan: parameters, optimizer state (``jax.eval_shape``), a batch."""
+    axes = plan_.axes
+    opt_shapes = jax.eval_shape(optimizer.init, shapes_of(plan_.leaves))
+
+    opt_by_path: dict[str, int] = {}
+
+    def opt_share(x: Any, lay: Any) -> int:  # a state leaf that stands for parameter `lay`
+        nbytes = lay.share(axes) // lay.dtype.itemsize * np.dtype(x.dtype).itemsize
+        opt_by_path[lay.path] = opt_by_path.get(lay.path, 0) + nbytes
+        return nbytes
+
+    opt = param_like(optimizer, opt_shapes, plan_.leaves, opt_share, _nbytes)
+    opt_bytes = sum(jax.tree_util.tree_leaves(opt))
+    leaves = sorted(
+        (
+            LeafBytes(lay.path, lay.share(axes) + opt_by_path.get(lay.path, 0), any(lay.spec))
+            for lay in layouts(plan_.leaves)
+        ),
+        key=lambda b: -b.nbytes,
+    )
+    params = sum(lay.share(axes) for lay in layouts(plan_.leaves))
+    rows_on = _batch_bytes(batch, axes[plan_.batch_axis])
+    rows = [MemoryRow(n, params, opt_bytes, rows_on, lim) for n, lim in zip(names, limits, strict=True)]
+    return MemoryTable(rows, _title(plan_, rows), leaves)
+
+
+def _nbytes(x: Any) -> int:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key: its key data's bytes
+        x = jax.eval_shape(jax.random.key_data, x)
+    return int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def _batch_bytes(batch: Any, parts: int) -> int:
+    """The bytes of ``batch`` on each context: its even part's share and the last rows (placed on each)."""
+    if batch is None:
+        return 0
+    total = 0
+    for x in jax.tree_util.tree_leaves(batch):
+        n = np.shape(x)[0]
+        total += _nbytes(x) // max(n, 1) * (n // parts + n % parts)
+    return total
+
+
+def _title(plan_: Plan, rows: list[MemoryRow]) -> str:
+    how = plan_.shard if isinstance(plan_.shard, str) else "rules"
+    most = max(r.total for r in rows)
+    verdict = {None: "no limit known", True: "fits", False: "does NOT fit"}[MemoryTable(rows, "").fits]
+    return f"shard={how!r} over {len(rows)} context(s): at most {human_bytes(most)} per context; {verdict}"
+
+
+def fits(
+    params: Any,
+    optimizer: Any,
+    *,
+    shard: Any = "replicate",
+    contexts: Any = None,
+    limit: Any = None,
+    mesh: Any = None,
+    batch: Any = None,
+) -> MemoryTable:
+    """The bytes per context of a model's training state, worked out from shapes before anything
+    is allocated, and whether they fit each context's memory.
+
+    >>> import mgkit as mg, optax, jax, jax.numpy as jnp
+    >>> shapes = {"w": jax.ShapeDtypeStruct((8192, 8192), jnp.float32)}
+    >>> t = mg.fits(shapes, optax.adam(1e-3), shard="fsdp", contexts=8, limit="100MiB")
+    >>> t.fits, [r.params for r in t.rows()][:2]
+    (True, [33554432, 33554432])
+
+    Args:
+      params: the parameters (arrays), their shapes (``jax.eval_shape``'s tree of
+        ``ShapeDtypeStruct``) or a function of no arguments that makes them (not run).
+      optimizer: the optax optimizer (its state is sized by ``jax.eval_shape``).
+      shard, mesh: as ``mg.Trainer`` takes them.
+      contexts: context names, a count, or None for every context in the map; a count larger than
+        the map plans for that many contexts without devices (give ``limit``).
+      limit: bytes per context (``"80GiB"``, ``"16 GB"``, a number); None: each device's own
+        limit, where it reports one.
+      batch: one batch (arrays or shapes), to count its share on each context too.
+
+    Returns:
+      a ``MemoryTable``: a row per context, ``fits`` and the ``largest`` leaves.
+    """
+    where = "fits"
+    shapes = param_shapes(params, where)
+    cap = None if limit is None else nbytes(limit, "limit", where, example="80GiB")
+    targets = None
+    if (
+        isinstance(contexts, int)
+        and not isinstance(contexts, bool)
+        and contexts > len(resolve(None, where).names)
+    ):
+        names, devices = [f"context {i}" for i in range(contexts)], [None] * contexts
+    else:
+        targets = resolve(contexts, where)
+        names, devices = list(targets.names), list(targets.devices)
+    p = plan(shapes, shard, mesh, len(names), where)
+    if targets is not None:
+        check_distinct(p, targets, where)
+    limits = [cap if cap is not None else device_limit(d) for d in devices]
+    return planned(p, optimizer, names, limits, batch)
+
+
+def check_distinct(plan_: Plan, targets: Targets, where: str) -> None:
+    """A split plan (or a mesh) needs distinct devices of one kind: else a clear error."""
+    if targets.spmd or not plan_.asked:
+        return
+    devices = targets.devices
+    shared = [c.name for c in targets.contexts if devices.count(c.device) > 1]
+    why = (
+        f"contexts {', '.join(shared[:4])} share a device"
+        if shared
+        else f"the contexts mix kinds ({', '.join(sorted({d.platform for d in devices}))})"
+    )
+    raise ValueError(
+        f"{where}: shard={plan_.shard!r} splits parameters over the contexts, but {why}; sharding needs "
+        "distinct devices of one kind: map each context to its own device (mg.use_contexts"
+        "('a->gpu0;b->gpu1')), pick such contexts with contexts=, or use shard='replicate'"
+    )
+
+
+def check_fits(plan_: Plan, optimizer: Any, targets: Targets, where: str) -> None:
+    """Raises before anything is allocated where a context's state is over its device's limit."""
+    limits = [device_limit(d) for d in targets.devices]
+    if all(limit is None for limit in limits):  # no device says how much it has
+        return
+    table = planned(plan_, optimizer, list(targets.names), limits)
+    if table.fits is not False:
+        return
+    hint = (
+        "pass shard='fsdp' to split parameters and optimizer state over the contexts"
+        if not plan_.split
+        else "split more leaves (rules), use more contexts, or a smaller model"
+    )
+    raise ValueError(f"{where}: the training state does not fit: {table.over()}; {hint} (plan with mg.fits)")
+
+
+def live(targets: Targets, params: Any, opt_state: Any, batch_bytes: int = 0) -> MemoryTable:
+    """The bytes per context of the live arrays of a trainer's state (every shard counted where it lives)."""
+    held = {d: [0, 0] for d in targets.devices}
+    for i, tree in enumerate((params, opt_state)):
+        for x in jax.tree_util.tree_leaves(tree):
+            if isinstance(x, jax.Array):
+                for shard in x.addressable_shards:
+                    if shard.device in held:
+                        held[shard.device][i] += shard.data.nbytes
+    rows = [MemoryRow(c.name, *held[c.device], batch_bytes, device_limit(c.device)) for c in targets.contexts]
+    most = max(r.total for r in rows)
+    return MemoryTable(
+        rows, f"live arrays over {len(rows)} context(s): at most {human_bytes(most)} per context"
+    )
+
+
+def batch_bytes(placed: Any) -> int:
+    """The most bytes of a placed batch (a step's batch arguments) on any one device."""
+    held: dict = {}
+    for x in jax.tree_util.tree_leaves(placed):
+        if isinstance(x, jax.Array):
+            for shard in x.addressable_shards:
+                held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values(), default=0)

@@ -1,0 +1,405 @@
+"""How a trainer's state is split over its contexts (``shard=`` and ``mesh=``): one ``LeafLayout``
+per parameter, worked out from shapes alone (``plan``), then laid on the devices' mesh
+(``Placement``): NamedShardings for the parameters, for each optimizer-state leaf like its
+parameter (``optax.tree_map_params``; counts and other scalars replicated) and for the batch.
+
+A split axis that does not divide by its parts is stored padded with zeros up to a multiple of
+them (JAX refuses uneven shardings); the step slices the padding off before the loss and the
+optimizer see the leaf and pads the result again, so the math is that of the unpadded leaf.
+
+============  ====================================================================================
+``shard=``    what each parameter gets
+============  ====================================================================================
+replicate     a whole copy on every context (the default)
+fsdp          leaves of at least ``FSDP_MIN_SIZE`` elements split along one axis over every
+              context: the largest axis that divides by the contexts, else the largest (padded)
+{regex: ax}   the first rule whose regex matches the leaf's path (``"dense/kernel"``): an axis
+              (int), None (replicated), or with ``mesh=`` a mesh axis name per array axis
+              (``(None, "model")``); leaves no rule matches follow fsdp
+function      ``fn(path, leaf) -> axis, None or per-axis names``; ``leaf`` has shape and dtype
+============  ====================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._spmd import AXIS
+from .._spmd import mesh as line_mesh
+from ._checkpoint_tree import Padded
+
+FSDP_MIN_SIZE = 1024
+"""Leaves with fewer elements than this are replicated by ``shard="fsdp"`` (biases, norms): their
+share would be smaller than the bookkeeping of splitting them."""
+
+SHARDS = ("replicate", "fsdp")
+_EXAMPLE = "shard='fsdp', shard={'dense/kernel': 1}, or shard=lambda path, leaf: 0"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """How one parameter lies on the contexts. Not a pytree node: a tree of layouts has the
+    parameters' structure with one layout per leaf."""
+
+    path: str  # the leaf's path, keys joined by "/" ("dense/kernel", "layers/0/w")
+    shape: tuple[int, ...]  # its shape
+    dtype: Any  # its dtype
+    spec: tuple  # per array axis: None, or the mesh axis names it is split over (a tuple)
+    padded: tuple[int, ...]  # its stored shape: each split axis padded to a multiple of its parts
+
+    @property
+    def partition(self) -> P:
+        """The PartitionSpec of ``spec``."""
+        return P(*(None if not names else names[0] if len(names) == 1 else names for names in self.spec))
+
+    def pad(self, x: jax.Array) -> jax.Array:
+        """``x`` (of ``shape``) with zeros appended up to ``padded`` (already padded: as it is)."""
+        if self.padded == self.shape or x.shape == self.padded:
+            return x
+        return jnp.pad(x, [(0, p - s) for s, p in zip(self.shape, self.padded, strict=True)])
+
+    def unpad(self, x: jax.Array) -> jax.Array:
+        """``x`` (of ``padded``) without its padding."""
+        if self.padded == self.shape or x.shape == self.shape:
+            return x
+        return x[tuple(slice(0, s) for s in self.shape)]
+
+    def share(self, axes: Mapping[str, int]) -> int:
+        """The bytes of this leaf on each context (its stored shape over its parts)."""
+        parts = math.prod(axes[name] for names in self.spec for name in names or ())
+        return math.prod(self.padded) // parts * np.dtype(self.dtype).itemsize
+
+
+class Plan(NamedTuple):
+    """Every parameter's layout over a mesh of the given axis sizes (no devices needed)."""
+
+    axes: dict[str, int]  # the mesh's axes and their sizes, in order ({"mgkit": 8})
+    batch_axis: str  # the mesh axis the batch's rows are split over
+    leaves: Any  # the parameters' tree with a LeafLayout per leaf
+    shard: Any  # the shard= it was made from (for messages)
+
+    @property
+    def split(self) -> bool:
+        """Whether any parameter is split (else every context holds the whole state)."""
+        return any(any(s) for s in (lay.spec for lay in layouts(self.leaves)))
+
+    @property
+    def asked(self) -> bool:
+        """Whether ``shard=`` or ``mesh=`` asked for more than replicating on one mesh axis."""
+        return not (isinstance(self.shard, str) and self.shard == "replicate") or list(self.axes) != [AXIS]
+
+
+def layouts(tree: Any) -> list[LeafLayout]:
+    """The layouts of a tree of layouts, in leaf order."""
+    return jax.tree_util.tree_leaves(tree)
+
+
+def leaf_path(path: tuple) -> str:
+    """A pytree path as rules see it: its keys joined by "/" (``{"dense": {"w": x}}`` -> "dense/w")."""
+    names = []
+    for key in path:
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                names.append(str(getattr(key, field)))
+                break
+        else:
+            names.append(str(key))
+    return "/".join(names)
+
+
+def mesh_axes(mesh: Any, n: int, where: str) -> dict[str, int]:
+    """``mesh=`` as {axis name: size} over ``n`` contexts (None: one axis over all of them)."""
+    if mesh is None:
+        return {AXIS: n}
+    example = "mesh={'data': 2, 'model': 4}"
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise TypeError(
+            f"{where}: mesh must be a dict of axis names and sizes, e.g. {example}; got "
+            f"{type(mesh).__name__} {mesh!r:.80}"
+        )
+    for name, size in mesh.items():
+        if not isinstance(name, str) or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"{where}: mesh entry {name!r}: {size!r}; each axis is a name and a size of at least 1, "
+                f"e.g. {example}"
+            )
+    if math.prod(mesh.values()) != n:
+        raise ValueError(
+            f"{where}: mesh={dict(mesh)} arranges {math.prod(mesh.values())} contexts, but there are "
+            f"{n}; the sizes must multiply to {n}, e.g. mesh={{'data': {n}, 'model': 1}}"
+        )
+    return dict(mesh)
+
+
+def plan(shapes: Any, shard: Any, mesh: Any, n: int, where: str) -> Plan:
+    """The layout of every parameter of ``shapes`` (arrays or ShapeDtypeStructs) over ``n``
+    contexts, from ``shard=`` and ``mesh=``; errors name the rule or leaf at fault."""
+    axes = mesh_axes(mesh, n, where)
+    batch_axis = "data" if "data" in axes else next(iter(axes))
+    choose = _chooser(shard, where)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    out = []
+    for path, leaf in flat:
+        name = leaf_path(path)
+        shape, dtype = tuple(np.shape(leaf)), leaf.dtype
+        out.append(_layout(name, shape, dtype, choose(name, jax.ShapeDtypeStruct(shape, dtype)), axes, where))
+    if isinstance(shard, Mapping):
+        _check_rules_used(shard, [lay.path for lay in out], where)
+    return Plan(axes, batch_axis, jax.tree_util.tree_unflatten(treedef, out), shard)
+
+
+def _fsdp(shape: tuple[int, ...], parts: int) -> int | None:
+    """fsdp's axis for a leaf of ``shape``: None below FSDP_MIN_SIZE elements, else the largest
+    axis that divides by ``parts``, else the largest axis (to be padded)."""
+    if math.prod(shape) < FSDP_MIN_SIZE or not shape:
+        return None
+    order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+    dividing = [i for i in order if shape[i] % parts == 0]
+    return dividing[0] if dividing else order[0]
+
+
+_FSDP = object()  # a chooser's answer: do what fsdp does
+
+
+def _chooser(shard: Any, where: str) -> Callable[[str, Any], Any]:
+    """``shard=`` as a function (path, leaf) -> an axis, None, per-axis names, or ``_FSDP``."""
+    if isinstance(shard, str):
+        if shard not in SHARDS:
+            raise ValueError(
+                f"{where}: shard={shard!r} is not known; use one of {list(SHARDS)} or {_EXAMPLE}"
+            )
+        return (lambda name, leaf: None) if shard == "replicate" else (lambda name, leaf: _FSDP)
+    if isinstance(shard, Mapping):
+        rules = []
+        for pattern, value in shard.items():
+            try:
+                rules.append((re.compile(pattern), value))
+            except (TypeError, re.error) as e:
+                raise ValueError(
+                    f"{where}: shard rule {pattern!r} is not a regular expression ({e}); a rule is "
+                    "{regex on the leaf's path: axis}, e.g. {'kernel$': 1}"
+                ) from None
+
+        def by_rule(name: str, leaf: Any) -> Any:
+            for regex, value in rules:
+                if regex.search(name):
+                    return value
+            return _FSDP
+
+        return by_rule
+    if callable(shard):
+        return shard
+    raise TypeError(
+        f"{where}: shard must be 'replicate', 'fsdp', a dict of rules or a function; got "
+        f"{type(shard).__name__} {shard!r:.80}; e.g. {_EXAMPLE}"
+    )
+
+
+def _check_rules_used(rules: Mapping, paths: list[str], where: str) -> None:
+    for pattern in rules:
+        if not any(re.search(pattern, p) for p in paths):
+            shown = ", ".join(paths[:6]) + (", ..." if len(paths) > 6 else "")
+            raise ValueError(
+                f"{where}: shard rule {pattern!r} matches no parameter (paths: {shown}); fix the regex "
+                "or drop the rule (a rule that matches nothing would leave its leaves to fsdp)"
+            )
+
+
+def _layout(name: str, shape: tuple, dtype: Any, choice: Any, axes: dict, where: str) -> LeafLayout:
+    """One leaf's layout from a chooser's answer (checked against the leaf and the mesh)."""
+    if choice is _FSDP:
+        choice = _fsdp(shape, math.prod(axes.values()))
+    spec: list = [None] * len(shape)
+    if isinstance(choice, str):  # one mesh axis name: the leaf's first axis split over it
+        choice = (choice,)
+    elif isinstance(choice, numbers.Integral) and not isinstance(choice, bool):
+        choice = int(choice)  # numpy integers too
+    if isinstance(choice, bool) or (choice is not None and not isinstance(choice, int | tuple | list | P)):
+        raise TypeError(
+            f"{where}: the layout of {name!r} is {choice!r:.80}; give an axis (int), None to replicate, "
+            "or with mesh= one mesh axis name (or None) per array axis, e.g. (None, 'model')"
+        )
+    if isinstance(choice, int):
+        if not shape:
+            raise ValueError(
+                f"{where}: axis {choice} for {name!r}: the leaf is a scalar, which cannot be split; "
+                "give None to replicate it"
+            )
+        if not -len(shape) <= choice < len(shape):
+            raise ValueError(
+                f"{where}: axis {choice} for {name!r} is out of range: the leaf has shape {shape} "
+                f"({len(shape)} axes); give an axis from {-len(shape)} to {len(shape) - 1}, or None "
+                "to replicate it"
+            )
+        spec[choice % len(shape)] = tuple(axes)
+    elif choice is not None:
+        spec = _named_spec(name, shape, tuple(choice), axes, where)
+    padded = tuple(
+        d if not names else -(-d // (p := math.prod(axes[a] for a in names))) * p
+        for d, names in zip(shape, spec, strict=True)
+    )
+    return LeafLayout(name, shape, np.dtype(dtype), tuple(spec), padded)
+
+
+def _named_spec(name: str, shape: tuple, choice: tuple, axes: dict, where: str) -> list:
+    if len(choice) > len(shape):
+        raise ValueError(
+            f"{where}: the layout {choice} of {name!r} names {len(choice)} axes, but the leaf has "
+            f"shape {shape}; give at most {len(shape)} entries"
+        )
+    spec: list = []
+    for entry in choice + (None,) * (len(shape) - len(choice)):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        unknown = [a for a in names if a not in axes]
+        if unknown:
+            raise ValueError(
+                f"{where}: the layout {choice} of {name!r} names mesh axis {unknown[0]!r}, which the mesh "
+                f"does not have (axes: {list(axes)}); use one of them, e.g. (None, {list(axes)[-1]!r})"
+            )
+        spec.append(names or None)
+    return spec
+
+
+class Placement:
+    """A plan laid on the devices: the shardings of the parameters, the optimizer state and the
+    batch over one mesh, and padding on and off the stored leaves (inside jitted code)."""
+
+    def __init__(self, plan: Plan, devices: tuple[jax.Device, ...]):
+        self.plan = plan
+        if list(plan.axes) == [AXIS]:
+            self.mesh = line_mesh(devices)  # the mesh mgkit's batches are placed on
+        else:
+            grid = np.array(devices, dtype=object).reshape(tuple(plan.axes.values()))
+            self.mesh = Mesh(grid, tuple(plan.axes), axis_types=(AxisType.Auto,) * len(plan.axes))
+        self.rep = NamedSharding(self.mesh, P())
+        self.split = NamedSharding(self.mesh, P(plan.batch_axis))
+        self.batch_parts = plan.axes[plan.batch_axis]
+        self.params = jax.tree_util.tree_map(self.sharding, plan.leaves)
+
+    def batch_sharding(self, ax: int | None) -> NamedSharding:
+        """The sharding of a batch leaf split along axis 0 (``ax=0``) or on every context (None)."""
+        return self.rep if ax is None else self.split
+
+    def opt_state(self, optimizer: optax.GradientTransformation) -> Any:
+        """The shardings of the optimizer state: each leaf like its parameter's, others replicated."""
+        shapes = jax.eval_shape(optimizer.init, self.plan_shapes())
+        return param_like(
+            optimizer, shapes, self.plan.leaves, lambda x, lay: self.sharding(lay), lambda x: self.rep
+        )
+
+    def sharding(self, lay: LeafLayout) -> NamedSharding:
+        """The sharding of a stored leaf."""
+        return NamedSharding(self.mesh, lay.partition)
+
+    def pad(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        return self._each(optimizer, params, opt_state, LeafLayout.pad)
+
+    def unpad(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        return self._each(optimizer, params, opt_state, LeafLayout.unpad)
+
+    def _each(self, optimizer: Any, params: Any, opt_state: Any, how: Callable) -> tuple[Any, Any]:
+        if not self.padding:
+            return params, opt_state
+        params = jax.tree_util.tree_map(lambda lay, x: how(lay, x), self.plan.leaves, params)
+        opt_state = param_like(optimizer, opt_state, self.plan.leaves, lambda x, lay: how(lay, x), None)
+        return params, opt_state
+
+    @property
+    def padding(self) -> bool:
+        """Whether any leaf is stored padded."""
+        return any(lay.padded != lay.shape for lay in layouts(self.plan.leaves))
+
+    def as_stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """A state given in the leaves' own shapes (or as stored) laid out as stored: padded and
+        split (one program; a state stored already comes back as it is)."""
+        shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
+        if shapes == [lay.padded for lay in layouts(self.plan.leaves)]:
+            return params, opt_state
+        out = (self.params, self.opt_state(optimizer))
+        return jax.jit(lambda p, o: self.pad(optimizer, p, o), out_shardings=out)(params, opt_state)
+
+    def as_own(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The stored state in the leaves' own shapes (a padded leaf's slice, on every context)."""
+        return jax.jit(lambda p, o: self.unpad(optimizer, p, o))(params, opt_state)
+
+    def stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The state as checkpoints take it: each padded leaf as a ``Padded`` (its own shape kept)."""
+
+        def wrap(lay: LeafLayout, x: Any) -> Any:
+            return x if lay.padded == lay.shape else Padded(x, lay.shape)
+
+        return self._each(optimizer, params, opt_state, wrap)
+
+    @staticmethod
+    def unstored(tree: Any) -> Any:
+        """A restored tree's ``Padded`` leaves as their stored arrays."""
+        return jax.tree_util.tree_map(lambda x: x.array if isinstance(x, Padded) else x, tree)
+
+    def create(self, make: Callable[[], Any]) -> Any:
+        """Runs ``make()`` as one program whose outputs are created split (padded as stored)."""
+        return self.creator(make)()
+
+    def creator(self, make: Callable[[], Any]) -> Callable[[], Any]:
+        """``make`` jitted to create its outputs split and padded (``.lower()`` for its memory)."""
+
+        def padded():
+            return jax.tree_util.tree_map(lambda lay, x: lay.pad(x), self.plan.leaves, make())
+
+        return jax.jit(padded, out_shardings=self.params)
+
+    def place(self, params: Any) -> Any:
+        """Fresh copies of ``params`` padded and split (never the caller's buffers)."""
+        padded = lambda t: jax.tree_util.tree_map(lambda lay, x: lay.pad(jnp.copy(x)), self.plan.leaves, t)  # noqa: E731
+        return jax.jit(padded, out_shardings=self.params)(params)
+
+    def init(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
+        """The optimizer's state for the stored ``params``, split like them (init on the unpadded)."""
+
+        def init(p):
+            plain = jax.tree_util.tree_map(lambda lay, x: lay.unpad(x), self.plan.leaves, p)
+            return self.pad(optimizer, plain, optimizer.init(plain))[1]
+
+        return jax.jit(init, out_shardings=self.opt_state(optimizer))(params)
+
+    def plan_shapes(self) -> Any:
+        """The parameters' (unpadded) shapes and dtypes."""
+        return shapes_of(self.plan.leaves)
+
+
+def shapes_of(leaves: Any) -> Any:
+    """A tree of layouts as the parameters' (unpadded) shapes and dtypes."""
+    return jax.tree_util.tree_map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), leaves)
+
+
+def param_like(optimizer: Any, state: Any, leaves: Any, f: Callable, other: Callable | None) -> Any:
+    """``f(state_leaf, layout)`` on every optimizer-state leaf that stands for a parameter (optax's
+    ``tree_map_params``: each copy of the parameter tree, as adam's mu and nu; ``leaves`` is the
+    tree of layouts), ``other`` on the rest (None: kept). An optimizer whose ``init`` optax cannot
+    map is matched by shape: a state leaf of a parameter's shape is taken for that parameter."""
+    try:
+        return optax.tree_map_params(optimizer, f, state, leaves, transform_non_params=other)
+    except Exception:  # noqa: BLE001 - an init that needs real arrays: match by shape
+        by_shape: dict = {}
+        for lay in layouts(leaves):
+            by_shape.setdefault(lay.shape, lay)
+            by_shape.setdefault(lay.padded, lay)
+
+        def one(x: Any) -> Any:
+            lay = by_shape.get(tuple(np.shape(x))) if np.ndim(x) else None
+            if lay is not None:
+                return f(x, lay)
+            return x if other is None else other(x)
+
+        return jax.tree_util.tree_map(one, state)

@@ -1,0 +1,296 @@
+"""``mg.Trainer(..., shard=, mesh=)``: parameters and optimizer state split over the contexts (fsdp,
+rules, tensor parallel), models created split, checkpoints of split state, and bad input."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mgkit as mg
+from mgkit.train import _memory
+
+ROWS, BATCH = 240, 60
+
+
+def init(key):
+    k1, k2 = jax.random.split(key)
+    return {
+        "w1": jax.random.normal(k1, (784, 100)) * 0.05,
+        "b1": jnp.zeros(100),
+        "w2": jax.random.normal(k2, (100, 16)) * 0.1,
+        "b2": jnp.zeros(16),
+    }
+
+
+def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - b["y"]) ** 2)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS, 784)).astype(np.float32)
+    teacher = rng.normal(size=(784, 16)).astype(np.float32) / 28
+    return {"x": x, "y": np.tanh(x @ teacher).astype(np.float32)}
+
+
+DATA = _data()
+PARAMS = init(jax.random.key(0))
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _fit(steps=30, **kw):
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, **kw)
+    tr.fit(DATA, steps=steps, batch_size=BATCH, progress=False)
+    return tr
+
+
+def _values(tree):
+    """The leaves as numpy arrays without any padding (shapes of PARAMS)."""
+    return {k: np.asarray(v)[tuple(slice(0, s) for s in PARAMS[k].shape)] for k, v in tree.items()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(8)), verbose=False)
+    return _values(_fit(contexts=1).params)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+def test_fsdp_equals_the_replicated_run_on_one_device(reference, n):
+    tr = _fit(contexts=n, shard="fsdp")
+    got = _values(tr.params)
+    for k in reference:
+        np.testing.assert_allclose(got[k], reference[k], **TOL, err_msg=k)
+    assert tr.params["b1"].sharding.spec == jax.sharding.PartitionSpec(None)  # small leaves replicated
+    if n > 1:
+        assert len({str(s.index) for s in tr._params["w1"].addressable_shards}) == n  # split, n parts
+    if n == 3:  # neither 784 nor 100 divides by 3: stored padded (262 rows each), the math unchanged
+        assert tr.params["w1"].shape == (784, 100) and tr.opt_state[0].mu["w1"].shape == (784, 100)
+        w2_share = 34 * 16 * 4  # 100 rows padded to 102
+        assert tr.memory().rows()[0].params == 262 * 100 * 4 + w2_share + (100 + 16) * 4
+
+
+def test_tensor_parallel_mesh_equals_the_replicated_run(reference):
+    rules = {"w1": (None, "model"), "w2": ("model", None)}
+    tr = _fit(contexts=8, shard=rules, mesh={"data": 2, "model": 4})
+    got = _values(tr.params)
+    for k in reference:
+        np.testing.assert_allclose(got[k], reference[k], **TOL, err_msg=k)
+    assert tr.params["w1"].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert tr.params["w1"].addressable_shards[0].data.shape == (784, 25)
+    mu = tr.opt_state[0].mu["w1"]  # adam's moments split like their parameter
+    assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_step_fn_takes_the_state_in_its_own_shapes_or_as_stored():
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=3, shard="fsdp")
+    p, s = tr.params, tr.opt_state
+    batch = {k: v[:BATCH] for k, v in DATA.items()}
+    for _ in range(3):
+        out = tr.step_fn(p, s, batch)
+        p, s = out.params, out.opt_state
+    assert p["w1"].shape == (786, 100)  # as stored: given back as it is
+    tr.fit(lambda step: batch, steps=3, progress=False)
+    for k in PARAMS:
+        np.testing.assert_array_equal(_values(p)[k], _values(tr.params)[k])
+
+
+def test_rules_first_match_wins_and_unmatched_follow_fsdp():
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=4, shard={"w": None, "w1": 1})
+    specs = {k: v.sharding.spec for k, v in tr.params.items()}
+    assert specs["w1"] == jax.sharding.PartitionSpec() and specs["w2"] == jax.sharding.PartitionSpec()
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=4, shard={"w2": None})
+    assert tr.params["w1"].sharding.spec == jax.sharding.PartitionSpec("mgkit", None)  # fsdp
+    tr = mg.Trainer(
+        loss_fn, optax.adam(1e-3), PARAMS, contexts=4, shard=lambda path, leaf: np.int64(leaf.ndim - 1)
+    )
+    assert tr.params["b1"].sharding.spec == jax.sharding.PartitionSpec("mgkit")
+    assert tr.opt_state[0].count.sharding.spec == jax.sharding.PartitionSpec()  # scalars replicated
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_memory_per_context_is_its_share(n):
+    tr = _fit(steps=1, contexts=n, shard="fsdp")
+    whole = sum(x.nbytes for x in PARAMS.values())
+    total = 3 * whole + 4  # adam: parameters, mu and nu, and a count
+    rows = 0
+    for lay in jax.tree_util.tree_leaves(tr._plan.leaves):  # one padding row per split leaf, x 3 copies
+        if any(lay.spec):
+            ax = next(i for i, names in enumerate(lay.spec) if names)
+            rows += 3 * math.prod(lay.shape) // lay.shape[ax] * 4
+    for row in tr.memory().rows():  # read from the live shards
+        assert row.params + row.opt_state <= total / n * 1.05 + rows, (row, total / n)
+
+
+def test_fits_plans_what_the_trainer_then_holds():
+    planned = mg.fits(
+        lambda: init(jax.random.key(0)), optax.adam(1e-3), shard="fsdp", contexts=3, batch=DATA["x"][:BATCH]
+    )
+    shapes = jax.eval_shape(lambda: PARAMS)
+    from_shapes = mg.fits(shapes, optax.adam(1e-3), shard="fsdp", contexts=3, limit="16 GB")
+    tr = _fit(steps=1, contexts=3, shard="fsdp")
+    live = tr.memory()
+    for p, s, row in zip(planned.rows(), from_shapes.rows(), live.rows(), strict=True):
+        assert (p.params, p.opt_state) == (s.params, s.opt_state) == (row.params, row.opt_state)
+        assert p.batch == (BATCH // 3) * 784 * 4 and s.limit == 16 * 10**9
+    assert from_shapes.fits is True and planned.fits is None  # CPU devices report no limit
+    assert "parameters" in repr(planned) and "<table" in planned._repr_html_()
+    many = mg.fits(shapes, optax.adam(1e-3), shard="fsdp", contexts=64, limit="1MiB")
+    assert len(many) == 64 and many.fits is True
+    small = mg.fits(shapes, optax.adam(1e-3), contexts=2, limit="100KiB")
+    assert small.fits is False and small.largest[0].path == "w1" and "NO" in repr(small)
+
+
+def test_a_state_over_the_device_limit_raises_before_the_first_step(monkeypatch):
+    monkeypatch.setattr(_memory, "device_limit", lambda device: 500_000)
+    with pytest.raises(ValueError, match=r"does not fit.*w1.*shard='fsdp'"):
+        mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=2)
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=8, shard="fsdp")  # its share fits
+    assert tr.memory().rows()[0].limit == 500_000 and tr.memory().fits
+
+
+def test_params_made_by_a_function_are_created_split():
+    make = lambda: {"w": jax.random.normal(jax.random.key(1), (4096, 512)), "b": jnp.zeros(512)}  # noqa: E731
+    tr = mg.Trainer(lambda p, b: jnp.mean(b @ p["w"] + p["b"]), optax.sgd(0.1), make, shard="fsdp")
+    w = tr.params["w"]
+    assert {s.data.shape for s in w.addressable_shards} == {(512, 512)}
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(jax.jit(make)()["w"]))
+    split = tr._layout.creator(make).lower().compile().memory_analysis()
+    whole = jax.jit(make).lower().compile().memory_analysis()
+    assert split.output_size_in_bytes <= 512 * 512 * 4 * 1.01  # the share of w, and b
+    peak = split.output_size_in_bytes + split.temp_size_in_bytes
+    assert peak <= (whole.output_size_in_bytes + whole.temp_size_in_bytes) / 8 * 1.05  # an 8th of it
+
+
+def test_a_replicated_trainer_takes_a_function_too():
+    make = lambda: init(jax.random.key(0))  # noqa: E731
+    tr = mg.Trainer(loss_fn, optax.sgd(0.1), make, contexts=2)
+    np.testing.assert_array_equal(np.asarray(tr.params["w1"]), np.asarray(jax.jit(make)()["w1"]))
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def test_split_state_resumes_bit_identical_and_onto_other_layouts(tmp_path, reference):
+    kw = {"contexts": 8, "shard": "fsdp"}
+    first = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, checkpoint=tmp_path, every=10, **kw)
+    first.fit(DATA, steps=10, batch_size=BATCH, progress=False)
+    resumed = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, checkpoint=tmp_path, every=10, **kw)
+    resumed.fit(DATA, steps=30, batch_size=BATCH, resume=True, progress=False)
+    straight = _fit(**kw)
+    for k in PARAMS:
+        np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(straight.params[k]))
+    saved = _values(jax.device_get(resumed.params))  # the folder's newest: step 30
+    for other in ({"contexts": 3, "shard": "fsdp"}, {"contexts": 4, "shard": "fsdp"}, {"contexts": 1}):
+        tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, checkpoint=tmp_path, every=10, **other)
+        tr.fit(DATA, steps=30, batch_size=BATCH, resume=True, progress=False)  # restores, runs none
+        assert tr.step == 30
+        back = _values(tr.params)
+        for k in PARAMS:
+            np.testing.assert_array_equal(back[k], saved[k], err_msg=f"{other} {k}")
+
+
+def test_padded_state_is_saved_as_shards_and_restored_into_any_padding(tmp_path):
+    kw = {"contexts": 3, "shard": "fsdp", "checkpoint": tmp_path, "every": 5}
+    tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, **kw)
+    tr.fit(DATA, steps=5, batch_size=BATCH, progress=False)
+    assert tr._params["w1"].shape == (786, 100)  # stored padded
+    sharding_files = list(tmp_path.rglob("_sharding"))
+    assert sharding_files and "mgkit" in sharding_files[0].read_text()  # written split, not gathered
+    wide = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, **(kw | {"contexts": 5}))
+    wide.fit(DATA, steps=5, batch_size=BATCH, resume=True, progress=False)
+    for k in PARAMS:
+        np.testing.assert_array_equal(_values(wide.params)[k], _values(tr.params)[k])
+        np.testing.assert_array_equal(
+            _values(wide.opt_state[0].nu)[k], _values(tr.opt_state[0].nu)[k], err_msg=k
+        )
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+BAD = [
+    ({"shard": "fdsp"}, ValueError, r"shard='fdsp' is not known; use one of \['replicate', 'fsdp'\]"),
+    ({"shard": 3}, TypeError, r"shard must be 'replicate', 'fsdp', a dict of rules or a function; got int"),
+    ({"shard": {"kernel": 1}}, ValueError, r"rule 'kernel' matches no parameter \(paths: b1, b2, w1, w2\)"),
+    ({"shard": {"(w": 1}}, ValueError, r"rule '\(w' is not a regular expression"),
+    ({"shard": {"w1": 2}}, ValueError, r"axis 2 for 'w1' is out of range: the leaf has shape \(784, 100\)"),
+    ({"shard": {"b1": -2}}, ValueError, r"axis -2 for 'b1' is out of range.*from -1 to 0"),
+    (
+        {"shard": lambda p, leaf: "rows"},
+        ValueError,
+        r"the layout \('rows',\) of 'b1' names mesh axis 'rows', which the mesh does not have",
+    ),
+    ({"shard": lambda p, leaf: 1.5}, TypeError, r"the layout of 'b1' is 1.5; give an axis \(int\), None"),
+    (
+        {"mesh": {"data": 3, "model": 2}},
+        ValueError,
+        r"arranges 6 contexts, but there are 8; the sizes must multiply to 8",
+    ),
+    ({"mesh": [2, 4]}, TypeError, r"mesh must be a dict of axis names and sizes"),
+    ({"mesh": {"data": 0, "model": 8}}, ValueError, r"mesh entry 'data': 0; each axis is a name and a size"),
+    (
+        {"mesh": {"data": 2, "model": 4}, "shard": {"w1": (None, "tensor")}},
+        ValueError,
+        r"names mesh axis 'tensor', which the mesh does not have \(axes: \['data', 'model'\]\)",
+    ),
+    (
+        {"mesh": {"data": 2, "model": 4}, "shard": {"b1": (None, "model")}},
+        ValueError,
+        r"the layout \(None, 'model'\) of 'b1' names 2 axes, but the leaf has shape \(100,\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kw", "error", "message"), BAD)
+def test_bad_sharding_is_refused_by_name(kw, error, message):
+    with pytest.raises(error, match=message):
+        mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, **kw)
+
+
+def test_bad_params_functions_are_refused():
+    with pytest.raises(
+        TypeError, match=r"params is a function init\(key\) that takes arguments.*lambda: init"
+    ):
+        mg.Trainer(loss_fn, optax.sgd(0.1), init)
+    with pytest.raises(
+        ValueError, match=r"what <lambda>\(\) returns has no arrays \(its leaves \['w'\] \(str"
+    ):
+        mg.Trainer(loss_fn, optax.sgd(0.1), lambda: {"w": "weights"})
+    with pytest.raises(TypeError, match=r"whose result is not a pytree of arrays"):
+        mg.Trainer(loss_fn, optax.sgd(0.1), lambda: {"w": np.ones(3, dtype=object)})
+    with pytest.raises(TypeError, match=r"what <lambda>\(\) returns leaf \['w'\] has dtype int32"):
+        mg.Trainer(loss_fn, optax.sgd(0.1), lambda: {"w": jnp.zeros(3, jnp.int32)})
+
+
+def test_sharding_over_contexts_that_share_a_device_is_refused():
+    mg.use_contexts("a->cpu0;b->cpu0;c->cpu1", verbose=False)
+    with pytest.raises(ValueError, match=r"contexts a, b share a device; sharding needs distinct devices"):
+        mg.Trainer(loss_fn, optax.sgd(0.1), PARAMS, shard="fsdp")
+    with pytest.raises(ValueError, match=r"share a device"):
+        mg.fits(PARAMS, optax.sgd(0.1), shard="fsdp")
+    with pytest.raises(ValueError, match=r"shard=\{'b': None\} splits parameters.*share a device"):
+        mg.Trainer(loss_fn, optax.sgd(0.1), PARAMS, shard={"b": None})  # asked for, though none splits
+    mg.Trainer(loss_fn, optax.sgd(0.1), PARAMS)  # replicated: the gather-update-copy loop, as before
+
+
+@pytest.mark.parametrize(
+    ("limit", "error", "message"),
+    [
+        (
+            "eighty gigs",
+            ValueError,
+            r"limit='eighty gigs' is not a size; limit must be a size in bytes above 0",
+        ),
+        ("1iB", ValueError, r"limit='1iB' is not a size"),
+        (-5, ValueError, r"limit=-5 is out of range"),
+        ([80], TypeError, r"limit must be a size in bytes above 0.*got list \[80\]"),
+    ],
+)
+def test_fits_refuses_a_limit_it_cannot_read(limit, error, message):
+    with pytest.raises(error, match=re.compile(message)):
+        mg.fits(PARAMS, optax.adam(1e-3), limit=limit)
