@@ -144,6 +144,21 @@ EXPECTED_OUTPUT = {
         "F forward  B backward  U update",
         "mgkit ledger:",
     ],
+    "07_big_models.ipynb": [
+        "digits: (1797, 64) - limit per context: 1.0 GiB",
+        "does NOT fit",
+        "fits on one context: False",
+        "Trainer: the training state does not fit: dev0 needs 1.2 GiB",
+        "pass shard='fsdp'",
+        "shard='fsdp' over 8 context(s): at most 147.8 MiB per context; fits",
+        "mgkit training history: 4 step(s) on 8 context(s)",
+        "split 8 x 1 (dim 0 over 'mgkit')",
+        "every context within its limit: True",
+        "1 update from a batch of 64 rows in 4 microbatches",
+        "precision='bf16' on CPU",
+        "parameters stay float32: {'float32'}",
+        "training accuracy after 7 steps: 0.",
+    ],
 }
 
 
