@@ -10,7 +10,7 @@ import jax
 
 from .. import _progress
 from .._numbers import whole
-from .._spmd import Targets, resolve, sharding, shares
+from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data
 from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer, check_params
@@ -109,12 +109,14 @@ class Trainer(Checkpointing):
             self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
             self._program = spmd_step(self._loss, optimizer, self.has_aux, devices)
             self._replicas: list = []
+            self._collectives: Watch | None = Watch(self.targets.contexts, "Trainer step")
         else:
             first = jax.sharding.SingleDeviceSharding(devices[0])
             self._params = copied(self._model.arrays, first)
             self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
             self._program = LoopStep(self._loss, optimizer, self.has_aux, self.targets)
             self._replicas = self._copies(self._params)
+            self._collectives = None
         self._weights: tuple[float, ...] | None = None
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
@@ -167,6 +169,15 @@ class Trainer(Checkpointing):
 
         return step_fn
 
+    def communication(self) -> Communication:
+        """What the compiled step communicates per step, read from the program XLA compiled
+        (the last one run): bytes per collective op, bytes sent per context, and the step's
+        arithmetic intensity (flops per context over bytes it sends). Each step's collectives
+        are also in the ledger (``collective`` events). Ask after a step has run."""
+        why = "these contexts run the gather-update-copy loop, not one compiled program; its moves are "
+        why += "the ledger's gather and replicate events (mg.ledger().summary())"
+        return communication(self._collectives, "Trainer.communication()", why)
+
     def __repr__(self) -> str:
         path = "one SPMD program per step" if self.spmd else "gather-update-copy loop (per-context gradients)"
         return (
@@ -202,7 +213,8 @@ class Trainer(Checkpointing):
         of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""
         key = None if self._key is None else jax.random.fold_in(self._key, self._step + 1)
         if self.spmd:
-            out = self._program(self._params, self._opt, *placed, key)
+            args = (self._params, self._opt, *placed, key)
+            out = self._collectives.run(self._program, args, placed, {"step": self._step + 1})
             self._params, self._opt = out.params, out.opt_state
         else:
             replicas, out = self._program(self._replicas, self._opt, *placed, key)
