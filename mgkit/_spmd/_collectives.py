@@ -202,17 +202,17 @@ def kind_of(leaves: list) -> tuple:
 watches = Cache(256)  # jitted program -> its Watch, for programs run by mgkit's parallel ops
 
 
-def note_run(program: Callable, leaves: list, contexts: tuple, what: str, start: float) -> None:
-    """Records the collectives of a run of ``program`` on the flat ``leaves``, issued at
-    ``start``; called after the run's call, so the program is compiled (and errors were raised
-    by the call, with its own message)."""
+def note_run(program: Callable, args: tuple, contexts: tuple, what: str, start: float) -> None:
+    """Records the collectives of a run of ``program(*args)`` issued at ``start``; called after
+    the run's call, so the program is compiled (and errors were raised by the call, with its
+    own message)."""
     if not _RECORDING[0]:
         return
     watch = watches.find(program)
     if watch is None:
         watch = Watch(contexts, what)
         watches.add(program, watch)
-    watch.reading(program, leaves, kind_of(leaves)).record(start)
+    watch.reading(program, args, kind_of(jax.tree_util.tree_leaves(args))).record(start)
 
 
 class Communication(Table):
@@ -226,6 +226,7 @@ class Communication(Table):
       flops: floating-point operations per context and run (XLA's cost analysis), or None.
       intensity: ``flops / sent``: operations per byte communicated; high means the step is
         bound by compute and more contexts can help; inf where nothing is communicated.
+      seconds: how long reading the compiled program took (once per program).
     """
 
     headers = ("op", "count", "bytes", "sent per context", "contexts")
@@ -251,7 +252,7 @@ class Communication(Table):
             per_context[a] = per_context.get(a, 0.0) + v
         self.bytes = sum(r[2] for r in rows)
         self.sent = round(max(per_context.values(), default=0.0))
-        self.flops = reading.flops
+        self.flops, self.seconds = reading.flops, reading.seconds
         self.intensity = None if self.flops is None else self.flops / self.sent if self.sent else float("inf")
         flops = "unknown" if self.flops is None else f"{self.flops:.4g}"
         ratio = "n/a" if self.intensity is None else f"{self.intensity:.4g}"
