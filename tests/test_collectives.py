@@ -74,6 +74,30 @@ def test_permutes_async_starts_and_done_ops():
     assert found[1].groups == ((0, 1, 2, 3),) and found[5].groups == ((0, 1),)
 
 
+class _Compiled:
+    def __init__(self, analysis):
+        self.analysis = analysis
+
+    def cost_analysis(self):
+        if isinstance(self.analysis, Exception):
+            raise self.analysis
+        return self.analysis
+
+
+@pytest.mark.parametrize(
+    ("analysis", "flops"),
+    [
+        ({"flops": 12.0, "bytes accessed": 3.0}, 12.0),  # JAX 0.4.30 and later
+        ([{"flops": 7.0}], 7.0),  # before: one dict per program
+        ({"bytes accessed": 3.0}, None),
+        (None, None),
+        (NotImplementedError("no cost analysis"), None),
+    ],
+)
+def test_flops_from_the_cost_analysis_of_each_jax_version(analysis, flops):
+    assert _spmd.flops_of(_Compiled(analysis)) == flops
+
+
 # -- the trainer's step ----------------------------------------------------------------------
 
 

@@ -38,11 +38,9 @@ class Reading(NamedTuple):
     what: str  # the program, as events name it ("Trainer step", "pmap of f")
     collectives: tuple[Collective, ...]  # its communication ops, in program order
     contexts: tuple  # the contexts of the program's devices, in its device order (``Context``s)
-    flops: (
-        float | None
-    )  # floating-point operations per context and run (XLA's cost analysis), None if unknown
+    compiled: Any  # the compiled program, whose cost analysis ``Communication`` asks for
     layout: Layout | None  # the ledger events of one run; None where it communicates nothing
-    seconds: float  # how long reading the compiled program took
+    seconds: float  # how long reading its collectives took (the cost analysis not asked)
 
     def record(self, start: float, info: dict | None = None) -> None:
         """Records one run issued at ``start`` (``time.time()``); ``info``: this run's own
@@ -115,9 +113,13 @@ def program_devices(compiled: Any) -> tuple | None:
     return None
 
 
-def flops_of(analysis: Any) -> float | None:
-    """The ``flops`` of a compiled program's ``cost_analysis()``: a dict (JAX 0.4.30 and
-    later) or a list of one dict per program (before), or None where it has none."""
+def flops_of(compiled: Any) -> float | None:
+    """The ``flops`` of a compiled program's ``cost_analysis()`` (a dict in JAX 0.4.30 and
+    later, a list of one dict per program before), or None where it has none (or no program)."""
+    try:
+        analysis = None if compiled is None else compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without a cost analysis
+        return None
     if isinstance(analysis, list | tuple):
         analysis = analysis[0] if analysis else None
     if not isinstance(analysis, dict):
@@ -136,12 +138,8 @@ def read_compiled(compiled: Any, contexts: tuple, what: str) -> Reading:
     if devices is not None and all(d in by_device for d in devices):
         contexts = tuple(by_device[d] for d in devices)
     collectives = collectives_in(compiled.as_text(), len(contexts))
-    try:
-        flops = flops_of(compiled.cost_analysis())
-    except Exception:  # noqa: BLE001 - a backend without a cost analysis
-        flops = None
     layout = layout_of(collectives, contexts, what)
-    return Reading(what, collectives, contexts, flops, layout, time.perf_counter() - t0)
+    return Reading(what, collectives, contexts, compiled, layout, time.perf_counter() - t0)
 
 
 _RECORDING = [True]  # off only to measure what recording costs (benchmarks/bench_seeing.py)
@@ -175,7 +173,7 @@ class Watch:
             try:
                 compiled = program.lower(*args).compile()
             except Exception:  # noqa: BLE001 - the program's call raises it, with its own message
-                found = Reading(self.what, (), self.contexts, None, None, 0.0)
+                found = Reading(self.what, (), self.contexts, None, None, 0.0)  # nothing to read
             else:
                 found = read_compiled(compiled, self.contexts, self.what)
             self._readings[kind] = found
@@ -226,7 +224,8 @@ class Communication(Table):
       flops: floating-point operations per context and run (XLA's cost analysis), or None.
       intensity: ``flops / sent``: operations per byte communicated; high means the step is
         bound by compute and more contexts can help; inf where nothing is communicated.
-      seconds: how long reading the compiled program took (once per program).
+      seconds: how long reading the program's collectives took (once per program; the cost
+        analysis, asked here, not counted).
     """
 
     headers = ("op", "count", "bytes", "sent per context", "contexts")
@@ -252,7 +251,7 @@ class Communication(Table):
             per_context[a] = per_context.get(a, 0.0) + v
         self.bytes = sum(r[2] for r in rows)
         self.sent = round(max(per_context.values(), default=0.0))
-        self.flops, self.seconds = reading.flops, reading.seconds
+        self.flops, self.seconds = flops_of(reading.compiled), reading.seconds
         self.intensity = None if self.flops is None else self.flops / self.sent if self.sent else float("inf")
         flops = "unknown" if self.flops is None else f"{self.flops:.4g}"
         ratio = "n/a" if self.intensity is None else f"{self.intensity:.4g}"
