@@ -98,6 +98,38 @@ def test_flops_from_the_cost_analysis_of_each_jax_version(analysis, flops):
     assert _spmd.flops_of(_Compiled(analysis)) == flops
 
 
+_LOOPS = """HloModule jit_step
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %c = f32[4]{0} call(%x), to_apply=%inner
+}
+%inner (q: f32[4]) -> f32[4] {
+  %ag = f32[8]{0} all-gather(%q), replica_groups={{0,1}}, dimensions={0}
+}
+%cond (p: (s32[], f32[4])) -> pred[] {
+  ROOT %lt = pred[] compare(%a, %b), direction=LT
+}
+%solver (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %rs = f32[2]{0} reduce-scatter(%x), replica_groups={{0,1}}, dimensions={0}
+}
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %v = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%solver
+  ROOT %once = f32[4]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_ops_in_loops_run_once_per_known_trip_and_once_where_unknown():
+    found = _spmd.collectives_in(_LOOPS, 2)
+    assert [(c.op, c.runs) for c in found] == [
+        ("all-reduce", 3),  # a scan's body: its length is known
+        ("all-gather", 3),  # called from that body
+        ("reduce-scatter", None),  # a loop that runs until the data says stop
+        ("all-reduce", 1),
+    ]
+
+
 # -- the trainer's step ----------------------------------------------------------------------
 
 
@@ -171,6 +203,16 @@ def test_a_pmap_of_a_psum_shows_one_all_reduce_per_call():
     assert {e.info["program"] for e in events} == {"pmap of <lambda>"}
 
 
+def test_a_psum_in_a_scan_counts_once_per_step_of_the_scan():
+    def running(v):
+        return jax.lax.scan(lambda c, x: (c + jax.lax.psum(x, "i"), None), 0.0, v)[0]
+
+    mg.pmap(running, out_axes=None)(np.ones((8, 5), np.float32))
+    events = mg.ledger().records(Kind.COLLECTIVE)
+    assert len(events) == 8 and {(e.info["ops"], e.info["bytes"]) for e in events} == {(5, 5 * 4)}
+    assert {e.nbytes for e in events} == {round(2 * 5 * 4 * 7 / 8)} and "trips" not in events[0].info
+
+
 def test_parallel_of_a_function_without_collectives_records_none():
     double = mg.parallel(lambda x: x * 2)
     for _ in range(3):  # the first call plans, the next ones run the plan
@@ -227,6 +269,7 @@ def test_a_data_parallel_logistic_regression_records_its_all_reduces_per_call():
     # one call (no chunk resumed): each op in the program once, as it appears in the program
     assert len(events) == 8 and {e.info["op"] for e in events} == {"all-reduce"}
     assert {e.info["program"] for e in events} == {"logreg (newton)"} and events[0].info["bytes"] >= 5 * 4
+    assert events[0].info["trips"] == "unknown"  # the solver stops when it converges
     mg.ledger().clear()
     mg.logreg.fit_many(X, y, l2=[0.1 * i for i in range(1, 9)], progress=False)  # a model per device
     assert not mg.ledger().records(Kind.COLLECTIVE)

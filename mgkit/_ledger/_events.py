@@ -56,7 +56,8 @@ class Kind:
     GATHER = "gather"  # one context's result brought back to the caller's context after a parallel call
     # -- communication inside a compiled program: ``src`` -> ``dst``, ``nbytes`` sent
     # Read once from the program XLA compiled (``_spmd._collectives``), recorded on each run,
-    # not timed (``seconds`` 0, ``info["read"] == "program"``); ``info``: op, program, step.
+    # not timed (``seconds`` 0, ``info["read"] == "program"``); ``info``: op, program, ops (how
+    # many ran), bytes (theirs, on one participant), step (a trainer's); ``nbytes``: sent (a ring).
     # Not in ``MOVES``, the moves mgkit makes and times itself: views add it where asked.
     COLLECTIVE = "collective"  # an all-reduce, all-gather... that XLA runs inside an SPMD program
     # -- compute: on one context, ``info`` holds what was computed

@@ -52,12 +52,14 @@ class Reading(NamedTuple):
 
 
 def traffic(c: Collective) -> dict[tuple[int, int], float]:
-    """(source position, target position) -> bytes sent, for one op (the ring model above)."""
+    """(source position, target position) -> bytes sent, for one op in one run of its program
+    (the ring model above; an op in a loop, for each of its runs, ``c.runs``)."""
     out: dict[tuple[int, int], float] = {}
+    nbytes = c.nbytes * (c.runs or 1)
     if c.op == "collective-permute":
         for a, b in c.pairs:
             if a != b:
-                out[(a, b)] = out.get((a, b), 0.0) + c.nbytes
+                out[(a, b)] = out.get((a, b), 0.0) + nbytes
         return out
     for group in c.groups:
         n = len(group)
@@ -67,10 +69,10 @@ def traffic(c: Collective) -> dict[tuple[int, int], float]:
             for a in group:
                 for b in group:
                     if a != b:
-                        out[(a, b)] = out.get((a, b), 0.0) + c.nbytes / n
+                        out[(a, b)] = out.get((a, b), 0.0) + nbytes / n
             continue
-        per = {"all-reduce": 2 * c.nbytes * (n - 1) / n, "all-gather": c.nbytes * (n - 1) / n}
-        sent = per.get(c.op, c.nbytes * (n - 1))  # reduce-scatter: B is the shard kept
+        per = {"all-reduce": 2 * nbytes * (n - 1) / n, "all-gather": nbytes * (n - 1) / n}
+        sent = per.get(c.op, nbytes * (n - 1))  # reduce-scatter: B is the shard kept
         for k, a in enumerate(group):
             link = (a, group[(k + 1) % n])
             out[link] = out.get(link, 0.0) + sent
@@ -79,23 +81,28 @@ def traffic(c: Collective) -> dict[tuple[int, int], float]:
 
 def layout_of(collectives: tuple[Collective, ...], contexts: tuple, what: str) -> Layout | None:
     """One run's ``collective`` events, one per (op, source, target) context: the bytes sent
-    (``traffic``), with the op's bytes and count in ``info``; None for no traffic."""
+    (``traffic``), with the ops' bytes and how many ran in ``info`` (an op in a loop once per
+    trip; ``"trips": "unknown"`` where a loop's trips depend on the data, its ops counted once);
+    None for no traffic."""
     links: dict[tuple[str, int, int], list] = {}
     for c in collectives:
         for (a, b), nbytes in traffic(c).items():
             if max(a, b) < len(contexts):
-                entry = links.setdefault((c.op, a, b), [0.0, 0, 0])
+                entry = links.setdefault((c.op, a, b), [0.0, 0, 0, False])
                 entry[0] += nbytes
-                entry[1] += c.nbytes
-                entry[2] += 1
+                entry[1] += c.nbytes * (c.runs or 1)
+                entry[2] += c.runs or 1
+                entry[3] = entry[3] or c.runs is None
     if not links:
         return None
     share = 1.0 / len(links)
     rows = []
-    for (op, a, b), (sent, nbytes, count) in links.items():
+    for (op, a, b), (sent, nbytes, count, unknown) in links.items():
         src, dst = contexts[a], contexts[b]
         head = (Kind.COLLECTIVE, src.name, dst.name, src.short, dst.short, round(sent))
         info = {"op": op, "read": "program", "program": what, "ops": count, "bytes": nbytes}
+        if unknown:
+            info["trips"] = "unknown"
         rows.append((head, share, info))
     return Layout(rows)
 
@@ -234,8 +241,8 @@ class Communication(Table):
         per_op: dict[str, list] = {}
         for c in reading.collectives:
             entry = per_op.setdefault(c.op, [0, 0, 0])
-            entry[0] += 1
-            entry[1] += c.nbytes
+            entry[0] += c.runs or 1
+            entry[1] += c.nbytes * (c.runs or 1)
             joined = max((len(g) for g in c.groups), default=len({p for pair in c.pairs for p in pair}))
             entry[2] = max(entry[2], joined)
         sent: dict[tuple[str, int], float] = {}
@@ -260,6 +267,8 @@ class Communication(Table):
             f"per step, {human_bytes(self.sent)} sent per context; {flops} flops per context; "
             f"arithmetic intensity {ratio} flops/byte"
         )
+        if any(c.runs is None for c in reading.collectives):
+            title += " (ops in loops whose trips depend on the data counted once)"
         super().__init__(rows, title)
 
     def _display_rows(self) -> list[tuple]:

@@ -14,13 +14,17 @@ What is counted:
   list (``replica_groups`` in any of XLA's spellings: ``{{0,1},{2,3}}``, ``[2,4]<=[8]``,
   ``[2,4]<=[4,2]T(1,0)``, ``mesh['axis_0'=8,'axis_1'=1] {'axis_0'}``; a collective-permute's
   ``source_target_pairs``). A spelling not understood is read as one group of every device.
-* An op inside a loop's body is read once, as it appears in the program, not once per iteration.
+* **runs**: how many times the op runs per run of the program: 1, or inside a loop (a
+  ``while``, as ``lax.scan`` and ``fori_loop`` compile to) its trip count, where XLA knows it
+  (``known_trip_count``: a scan's length); None inside a loop whose trips depend on the data
+  (a solver's iterations): such an op is counted once per run.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -37,6 +41,7 @@ class Collective(NamedTuple):
         tuple[int, ...], ...
     ]  # the devices that take part together, as positions in the program's device list
     pairs: tuple[tuple[int, int], ...] = ()  # collective-permute: (source, target) positions; else empty
+    runs: int | None = 1  # times it runs per program run (a loop's known trips); None: a loop's, unknown
 
 
 _LINE = re.compile(
@@ -53,6 +58,12 @@ _GROUPS = re.compile(
     r")"
 )
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(")  # a computation's first line, ending "{"
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLED = re.compile(r"\b(?:to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _SIZES = {"pred": 1, "token": 0, "c64": 8, "c128": 16}
 
 
@@ -163,27 +174,86 @@ def collectives_in(text: str, n: int) -> tuple[Collective, ...]:
 
     >>> line = "%ar = (f32[3,16]{1,0}, f32[]) all-reduce(%a, %b), replica_groups={{0,1}}, to_apply=%add"
     >>> collectives_in(line, 2)
-    (Collective(op='all-reduce', nbytes=196, groups=((0, 1),), pairs=()),)
+    (Collective(op='all-reduce', nbytes=196, groups=((0, 1),), pairs=(), runs=1),)
     """
-    out = []
+    if " while(" not in text:  # no loop: each op runs once per run
+        return tuple(op for op in map(_collective, _with_ops(text.splitlines()), repeat(n)) if op is not None)
+    found: list[tuple[str, Collective]] = []  # (its computation, the op)
+    calls: dict[str, list[tuple[str, int | None]]] = {}  # computation -> (called, times per call)
+    entry = computation = ""
     for line in text.splitlines():
-        if "all-" not in line and "reduce-scatter" not in line and "collective-permute" not in line:
+        if line.endswith("{") and not line.startswith(" "):
+            header = _HEADER.match(line)
+            if header is not None:
+                computation = header.group(2)
+                entry = computation if header.group(1) else entry
             continue
-        found = _LINE.match(line)
-        if found is None:
-            continue
-        op, shape = found.group("op"), found.group("shape")
-        if found.group("start") and op in ("all-gather", "collective-permute"):
-            parts = tuple_parts(shape)
-            shape = parts[1] if len(parts) > 1 else shape  # (operands, results[, contexts])
-        nbytes = shape_bytes(shape)
-        if op == "collective-permute":
-            pairs = _PAIRS.search(line)
-            links = tuple(
-                (int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else "")
-            )
-            out.append(Collective(op, nbytes, (), links))
-            continue
-        groups = _GROUPS.search(line)
-        out.append(Collective(op, nbytes, replica_groups(groups.group(1) if groups else None, n)))
-    return tuple(out)
+        if " while(" in line:
+            trips = _TRIPS.search(line)
+            times = int(trips.group(1)) if trips else None
+            for pattern in (_BODY, _CONDITION):
+                called = pattern.search(line)
+                if called is not None:
+                    calls.setdefault(computation, []).append((called.group(1), times))
+        elif (
+            "=%" in line
+            and " fusion(" not in line
+            and ("to_apply=" in line or "calls=" in line or "_computation" in line)
+        ):
+            _note_calls(line, computation, calls)
+        if _has_op(line):
+            op = _collective(line, n)
+            if op is not None:
+                found.append((computation, op))
+    runs = _runs(entry, calls)
+    return tuple(op._replace(runs=runs.get(where, 1)) for where, op in found)
+
+
+def _has_op(line: str) -> bool:
+    return "all-" in line or "reduce-scatter" in line or "collective-permute" in line
+
+
+def _with_ops(lines: list[str]) -> list[str]:
+    return [line for line in lines if _has_op(line)]
+
+
+def _note_calls(line: str, computation: str, calls: dict) -> None:
+    """Notes the computations ``line`` calls once per run of it (a call, a conditional's branches)."""
+    names = _CALLED.findall(line)
+    for branches in _BRANCHES.findall(line):
+        names += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
+    calls.setdefault(computation, []).extend((name, 1) for name in names)
+
+
+def _runs(entry: str, calls: dict) -> dict[str, int | None]:
+    """Times each computation runs per run of ``entry``: trip counts multiplied down the calls
+    (None: under a loop whose trips are unknown)."""
+    runs: dict[str, int | None] = {entry: 1}
+    todo = [entry]
+    while todo:
+        parent = todo.pop()
+        for child, times in calls.get(parent, ()):
+            if child in runs:
+                continue
+            mine = runs[parent]
+            runs[child] = None if mine is None or times is None else mine * times
+            todo.append(child)
+    return runs
+
+
+def _collective(line: str, n: int) -> Collective | None:
+    """The collective on one line of HLO text, or None where there is none."""
+    found = _LINE.match(line)
+    if found is None:
+        return None
+    op, shape = found.group("op"), found.group("shape")
+    if found.group("start") and op in ("all-gather", "collective-permute"):
+        parts = tuple_parts(shape)
+        shape = parts[1] if len(parts) > 1 else shape  # (operands, results[, contexts])
+    nbytes = shape_bytes(shape)
+    if op == "collective-permute":
+        pairs = _PAIRS.search(line)
+        links = re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) if pairs else "")
+        return Collective(op, nbytes, (), tuple((int(a), int(b)) for a, b in links))
+    groups = _GROUPS.search(line)
+    return Collective(op, nbytes, replica_groups(groups.group(1) if groups else None, n))
