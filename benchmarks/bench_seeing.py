@@ -3,7 +3,7 @@ its program recorded in the ledger, against the same step without that recording
 
 Usage::
 
-    python benchmarks/bench_seeing.py [--steps 200] [--rounds 6] [--devices 8] [--quick]
+    python benchmarks/bench_seeing.py [--steps 100] [--rounds 12] [--devices 8] [--quick]
 
 Contexts ``d0..d7 -> cpu0..cpu7`` on ``mg.simulate(8)`` CPU devices without an accelerator; on a
 machine with GPUs, ``d0..dN`` on them. The model is bench_train.py's MLP 784-256-10 with
@@ -39,8 +39,8 @@ from mgkit import _spmd
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="The trainer's step with collectives recorded and without.")
-    p.add_argument("--steps", type=int, default=200, help="steps per variant per round (default 200)")
-    p.add_argument("--rounds", type=int, default=6, help="ABBA rounds (default 6)")
+    p.add_argument("--steps", type=int, default=100, help="steps per variant per round (default 100)")
+    p.add_argument("--rounds", type=int, default=12, help="ABBA rounds (default 12)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices without a GPU (default 8)")
     p.add_argument("--quick", action="store_true", help="50 steps, 2 rounds: a smoke run")
     args = p.parse_args(argv)
