@@ -163,14 +163,21 @@ def compare(name, variants, args, goal):
     return row, {k: median(v) for k, v in times.items()}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    mg.simulate(args.devices)  # CPU devices only; an accelerator, when there is one, is used instead
+def contexts_on_devices(count: int) -> tuple[list, list[str]]:
+    """Contexts ``d0..dN`` on every device: ``count`` simulated CPU devices, or the accelerators
+    when there are some. Returns (devices, context names)."""
+    mg.simulate(count)  # CPU devices only; an accelerator, when there is one, is used instead
     devices = jax.devices()
     names = [f"d{i}" for i in range(len(devices))]
     mg.use_contexts(
         ";".join(f"{n}->{d.platform}{d.id}" for n, d in zip(names, devices, strict=True)), verbose=False
     )
+    return devices, names
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    devices, names = contexts_on_devices(args.devices)
     print(
         f"mgkit {mg.__version__}, jax {jax.__version__}, "
         f"{len(devices)} {devices[0].platform} device(s): {names}"

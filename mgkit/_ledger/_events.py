@@ -36,7 +36,8 @@ _new = tuple.__new__  # an Event from a tuple of its fields, without NamedTuple'
 class Kind:
     """The kinds of event mgkit records, each spelled once here (``Event.kind`` is one of them).
 
-    Moves carry bytes from ``src`` to ``dst``; compute events are on one context (``src == dst``,
+    Moves carry bytes from ``src`` to ``dst`` (mgkit's own, and ``COLLECTIVE``: those inside a
+    compiled program); compute events are on one context (``src == dst``,
     no bytes); process events name processes, not contexts (see ``PROCESS``).
 
     >>> Kind.STEP, Kind.STEP in Kind.COMPUTE, Kind.LAUNCH in Kind.PROCESS
@@ -53,6 +54,12 @@ class Kind:
     REPLICATE = "replicate"  # a whole array copied to one context of several (parameters, broadcast args)
     CONCAT = "concat"  # parts gathered onto one context and joined (``mg.concat``)
     GATHER = "gather"  # one context's result brought back to the caller's context after a parallel call
+    # -- communication inside a compiled program: ``src`` -> ``dst``, ``nbytes`` sent
+    # Read once from the program XLA compiled (``_spmd._collectives``), recorded on each run,
+    # not timed (``seconds`` 0, ``info["read"] == "program"``); ``info``: op, program, ops (how
+    # many ran), bytes (theirs, on one participant), step (a trainer's); ``nbytes``: sent (a ring).
+    # Not in ``MOVES``, the moves mgkit makes and times itself: views add it where asked.
+    COLLECTIVE = "collective"  # an all-reduce, all-gather... that XLA runs inside an SPMD program
     # -- compute: on one context, ``info`` holds what was computed
     RUN = "run"  # one context's share of a parallel call (``mg.parallel``, ``mg.pmap``, ``run_each``)
     STEP = "step"  # one training or fitting step on one context (``info``: what, samples/s, loss, member)
@@ -67,7 +74,7 @@ class Kind:
     COMPUTE = frozenset({RUN, STEP, FORWARD, BACKWARD, UPDATE})  # device work, drawn as busy time
     RATE = frozenset({RUN, STEP})  # compute events whose ``info`` carries samples per second
     PROCESS = frozenset({LAUNCH, STALL})
-    ALL = MOVES | COMPUTE | PROCESS
+    ALL = MOVES | COMPUTE | PROCESS | {COLLECTIVE}
 
 
 KERNEL = "kernel"  # the process that runs the notebook (or script), as a process event's src/dst

@@ -20,7 +20,7 @@ import numpy as np
 from .. import _contexts
 from .._numbers import whole
 from .._table import human_bytes
-from ._events import Call, Entry, Event, Layout, events_of, timed
+from ._events import Call, Entry, Event, Kind, Layout, events_of, timed
 from ._tables import Matrix, Summary
 
 log = logging.getLogger("mgkit")
@@ -343,13 +343,20 @@ class Ledger:
             return {key: (int(c), int(b), float(t)) for key, (c, b, t) in self._totals.items()}
 
     def summary(self) -> Summary:
-        """Totals per (kind, source, target) since the last ``clear()``: count, bytes, seconds, GB/s."""
+        """Totals per (kind, source, target) since the last ``clear()``: count, bytes, seconds, GB/s;
+        a line under the title sums the collectives inside compiled programs, where there are any."""
         self.flush()
         rows = [(k, s, d, c, b, t) for (k, s, d), (c, b, t) in self.totals().items()]
         n = sum(r[3] for r in rows)
-        return Summary(
-            rows, title=f"mgkit ledger: {n} event(s), {human_bytes(sum(r[4] for r in rows))} moved"
-        )
+        inside = [r for r in rows if r[0] == Kind.COLLECTIVE]
+        moved = sum(r[4] for r in rows) - sum(r[4] for r in inside)
+        title = f"mgkit ledger: {n} event(s), {human_bytes(moved)} moved"
+        if inside:
+            title += (
+                f"\ncollectives inside compiled programs: {human_bytes(sum(r[4] for r in inside))} sent "
+                f"in {sum(r[3] for r in inside)} event(s) (read from the programs, not timed)"
+            )
+        return Summary(rows, title=title)
 
     def matrix(self) -> Matrix:
         """Bytes moved between every pair of contexts (and host) since the last ``clear()``."""

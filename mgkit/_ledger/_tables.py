@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from .._table import Table, html_table, human_bytes, text_table
-from ._events import short_label
+from ._events import Kind, short_label
 
 
 class Summary(Table):
-    """Per source -> target pair totals: count, bytes, seconds, GB/s."""
+    """Per source -> target pair totals: count, bytes, seconds, GB/s. Collectives inside compiled
+    programs are read from the programs, not timed: their seconds say ``read``."""
 
     headers = ("kind", "from", "to", "count", "bytes", "seconds", "GB/s")
 
@@ -21,7 +22,7 @@ class Summary(Table):
                 short_label(d),
                 c,
                 human_bytes(b),
-                f"{t:.6f}",
+                "read" if k == Kind.COLLECTIVE else f"{t:.6f}",
                 f"{b / t / 1e9:.2f}" if t > 0 and b else "n/a",
             )
             for k, s, d, c, b, t in self._rows

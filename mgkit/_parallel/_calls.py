@@ -36,6 +36,7 @@ from .._spmd import (
     lands_at_once,
     mesh,
     needs_private,
+    note_run,
     place_copied,
     place_spmd,
     programs,
@@ -85,6 +86,8 @@ class Plan:
     program: tuple  # the program's key in ``programs``, the one place it is kept
     build: Callable[[], Callable]  # compiles the program when ``programs`` no longer has it
     at_once: bool  # the placement is complete when device_put returns (``lands_at_once``)
+    contexts: tuple  # the contexts the program runs on, for its collectives (``note_run``)
+    what: str  # the program, as its collective events name it
 
     def run(self, leaves: list) -> Any:
         t0, start = time.perf_counter(), time.time()
@@ -94,6 +97,7 @@ class Plan:
         start, t0 = time.time(), time.perf_counter()
         out = explained(program, *placed)
         record(self.runs, start, jax.tree_util.tree_leaves(out), t0)
+        note_run(program, placed, self.contexts, self.what, start)
         return out
 
 
@@ -125,7 +129,8 @@ def make_plan(key: PlanKey, batch: Batch, sizes: tuple[int, ...], out_axes: Any)
     runs = run_layout(targets, sizes, key.fn, "spmd", batch.n)
     program, build = spmd_source(key.fn, batch.treedef, batch.axes, out_axes, targets, key.where)
     at_once = lands_at_once(targets.devices, sum(x.nbytes for x in batch.leaves))
-    plan = Plan(copies, shardings, split, runs, program, build, at_once)
+    what = f"{key.where} of {fn_name(key.fn)}"
+    plan = Plan(copies, shardings, split, runs, program, build, at_once, targets.contexts, what)
     plans.get(key, lambda: plan)
 
 
@@ -271,6 +276,7 @@ def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if not traced:
         record_run(targets, sizes, fn, "spmd", start, batch.n, out_leaves, t0)
+        note_run(program, placed, targets.contexts, f"{where} of {fn_name(fn)}", start)
     padded = len(set(sizes)) > 1
     if not padded and to is None:
         return out

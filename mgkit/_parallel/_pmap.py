@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._spmd import Batch, dtype_of, explained, fn_name, is_abstract, place_spmd, record_run
+from .._spmd import Batch, dtype_of, explained, fn_name, is_abstract, note_run, place_spmd, record_run
 from ._batch import call_batch, check_axes, check_in_axes
 from ._calls import pmap_program
 
@@ -83,6 +83,7 @@ def pmap(
             if targets.devices[0].platform == "cpu" and k > 1:
                 jax.block_until_ready(out)  # two CPU collective programs in flight can deadlock
             record_run(targets, (1,) * k, fn, "pmap", start, k, out, t0)
+            note_run(program, placed, targets.contexts, f"pmap of {fn_name(fn)}", start)
         return out
 
     return mapped

@@ -10,6 +10,8 @@ the trainers and ``mg.prefetch`` build their programs on it. One module per ques
 ``_placing``        placing a batch for one program, host arrays through a private copy
 ``_layouts``        the ledger's events for a placement and a run, and recording them
 ``_messages``       how messages name a function, and JAX's device errors in context names
+``_hlo``            the collectives in a compiled program's HLO text, with bytes and devices
+``_collectives``    those collectives as ledger events on each run, and a step's ``Communication``
 ==================  ==============================================================================
 """
 
@@ -17,6 +19,16 @@ from ._caches import Cache as Cache
 from ._caches import cached as cached
 from ._caches import clear_caches as clear_caches
 from ._caches import programs as programs
+from ._collectives import Communication as Communication
+from ._collectives import Reading as Reading
+from ._collectives import Watch as Watch
+from ._collectives import communication as communication
+from ._collectives import flops_of as flops_of
+from ._collectives import note_run as note_run
+from ._collectives import read_compiled as read_compiled
+from ._collectives import record_collectives as record_collectives
+from ._hlo import Collective as Collective
+from ._hlo import collectives_in as collectives_in
 from ._layouts import record as record
 from ._layouts import record_run as record_run
 from ._layouts import run_layout as run_layout

@@ -3,6 +3,7 @@ convergence warning."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import _progress
-from .._spmd import Targets
+from .._spmd import Targets, note_run
 from ._checks import check_finite
 from ._model import ConvergenceWarning
 from ._programs import mapped_program
@@ -35,18 +36,31 @@ class Job:
     returns its state with its results; the next call takes that state last, until no model
     runs on. ``contexts``: the indices of the contexts whose models it fits (None: all);
     ``work``: its last call's work (``_progress.start``). A program that has not yet run on
-    arguments of this kind is compiled first, while Ctrl-C still works (``_progress.compile``)."""
+    arguments of this kind is compiled first, while Ctrl-C still works (``_progress.compile``).
+    ``spans``: the contexts an SPMD program spans, whose collectives each call records (None:
+    a program on one context, which has none)."""
 
     def __init__(
-        self, spec: Spec, program: Callable, args: tuple, contexts: Sequence[int] | None = None
+        self,
+        spec: Spec,
+        program: Callable,
+        args: tuple,
+        contexts: Sequence[int] | None = None,
+        spans: Targets | None = None,
     ) -> None:
         self.spec, self.program, self.args, self.contexts = spec, program, args, contexts
+        self.spans = spans
         self.work = self._start(())
 
     def _start(self, state: tuple) -> _progress.Work:
         program, args = self.program(bool(state)), (*self.args, *state)
         _progress.compile(program, args)
-        return _progress.start(lambda: program(*args))
+        start = time.time()
+        work = _progress.start(lambda: program(*args))
+        if self.spans is not None:
+            what = f"logreg ({self.spec.solver})"
+            note_run(program, args, self.spans.contexts, what, start)
+        return work
 
     @property
     def out(self) -> Any:
@@ -63,9 +77,15 @@ class Job:
         self.work = self._start((self.out[1],))
 
 
-def mapped_job(spec: Spec, devices: tuple, layout: str, args: tuple, omega_spec: Any = None) -> Job:
-    """A job of the layout's SPMD program on ``args`` (a resumed call: the resuming program)."""
-    return Job(spec, lambda resume: mapped_program(spec, devices, layout, omega_spec, resume), args)
+def mapped_job(spec: Spec, targets: Targets, layout: str, args: tuple, omega_spec: Any = None) -> Job:
+    """A job of the layout's SPMD program over the contexts of ``targets`` on ``args`` (a resumed
+    call: the resuming program)."""
+    devices = targets.devices
+
+    def program(resume: bool) -> Callable:
+        return mapped_program(spec, devices, layout, omega_spec, resume)
+
+    return Job(spec, program, args, spans=targets)
 
 
 def drive(jobs: list[Job], run: _progress.Run, progress, facts_of: Callable, owners) -> Facts:

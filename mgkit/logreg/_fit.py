@@ -151,7 +151,7 @@ def fit(
     args = (placed, *scalar_args(opts, dtype, devices))
     owners = [list(range(k))]  # every context holds the one model
     try:
-        job = mapped_job(spec, devices, "rows", args)
+        job = mapped_job(spec, targets, "rows", args)
         facts = drive([job], run, opts.progress, lambda fits: fetch_facts(fits, [(0, 0)]), owners)
         conclude(run, facts, [""], owners, where, spec.solver, ([X], ["X"]))
     finally:
@@ -310,7 +310,7 @@ def _per_device_spmd(parts, starts, penalties, targets, spec, opts, dtype) -> Jo
         own=True,
     )
     args = (X, rows, *scalar_args(opts, dtype, targets.devices))
-    return mapped_job(spec, targets.devices, "devices", args)
+    return mapped_job(spec, targets, "devices", args)
 
 
 def _per_device_local(parts, starts, penalties, targets, specs, opts, dtype) -> tuple[list[Job], list]:
@@ -456,7 +456,7 @@ def _many_jobs(
         names = ARG_NAMES._replace(omega="rows")
         placed = place_args(parts, axes, sum(chunks), targets, tuple(chunks), names=names)
         args = (placed, *scalar_args(opts, dtype, targets.devices))
-        job = mapped_job(spec, targets.devices, "models", args, MODELS if drawn else REPL)
+        job = mapped_job(spec, targets, "models", args, MODELS if drawn else REPL)
         return [job], [(0, j) for j in range(sum(chunks))]
     jobs, start, slots = [], 0, []
     scalars = scalar_args(opts, dtype)

@@ -10,7 +10,7 @@ import jax
 
 from .. import _progress
 from .._numbers import whole
-from .._spmd import Targets, resolve, sharding, shares
+from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data
 from ._accumulate import check_rows
 from ._checkpoint import Checkpointing, Checkpoints
@@ -151,6 +151,8 @@ class Trainer(Checkpointing):
             self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
             self._replicas = self._copies(self._params)
         self._program = self._built(1, "fp32")
+        # the collectives of the SPMD step, read once per program and recorded on each run
+        self._collectives: Watch | None = Watch(self.targets.contexts, "Trainer step") if self.spmd else None
         self._weights: tuple[float, ...] | None = None
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
@@ -233,6 +235,15 @@ class Trainer(Checkpointing):
 
         return step_fn
 
+    def communication(self) -> Communication:
+        """What the compiled step communicates per step, read from the program XLA compiled
+        (the last one run): bytes per collective op, bytes sent per context, and the step's
+        arithmetic intensity (flops per context over bytes it sends). Each step's collectives
+        are also in the ledger (``collective`` events). Ask after a step has run."""
+        why = "these contexts run the gather-update-copy loop, not one compiled program; its moves are "
+        why += "the ledger's gather and replicate events (mg.ledger().summary())"
+        return communication(self._collectives, "Trainer.communication()", why)
+
     def __repr__(self) -> str:
         path = "one SPMD program per step" if self.spmd else "gather-update-copy loop (per-context gradients)"
         return (
@@ -283,7 +294,8 @@ class Trainer(Checkpointing):
         """Runs one step and keeps its results at once: nothing can come between the donation
         of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""
         if self.spmd:
-            out = self._program(self._params, self._opt, *self._args(placed, self._step + 1))
+            args = (self._params, self._opt, *self._args(placed, self._step + 1))
+            out = self._collectives.run(self._program, args, placed, {"step": self._step + 1})
             self._params, self._opt = out.params, out.opt_state
         else:
             replicas, out = self._program(self._replicas, self._opt, *self._args(placed, self._step + 1))
