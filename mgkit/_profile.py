@@ -117,6 +117,7 @@ class Profile:
                 f"this profile ran already (trace {self.trace}); a profile runs once: "
                 "start another with `with mg.profile() as prof:`"
             )
+        synchronize()  # work dispatched before the block ends before the trace starts
         with _lock:
             if _active is not None:
                 raise RuntimeError(
@@ -125,13 +126,9 @@ class Profile:
                 )
             check_folder(self.folder)
             _count += 1
-            options = jax.profiler.ProfileOptions()
-            options.python_tracer_level = 1 if self.python else 0
-            if hasattr(options, "session_id"):  # each run its own folder, even two in one second
-                options.session_id = f"mgkit_{time.strftime('%Y_%m_%d_%H_%M_%S')}_{os.getpid()}_{_count}"
-            self._session = getattr(options, "session_id", None)
+            self._session = f"mgkit_{time.strftime('%Y_%m_%d_%H_%M_%S')}_{os.getpid()}_{_count}"
             try:
-                jax.profiler.start_trace(self.folder, profiler_options=options)
+                self._session = start_trace(self.folder, self.python, self._session)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"mg.profile(): jax.profiler has a trace running already ({e}); stop it with "
@@ -193,7 +190,9 @@ class Profile:
 
     def where(self) -> str:
         """One line: what was captured and where the trace is kept."""
-        if self._state != "done":
+        if self._state == "new":
+            return f"mgkit profile: not started (`with` it); it will write to {self.folder}"
+        if self._state == "running":
             return f"mgkit profile: running, writing to {self.folder}"
         how = "" if self.error is None else f"stopped by {type(self.error).__name__}; "
         return (
@@ -243,6 +242,19 @@ class Profile:
 
     def __repr__(self) -> str:
         return self.where()
+
+
+def start_trace(folder: str, python: bool, session: str) -> str | None:
+    """Starts jax's trace into ``folder``, Python calls traced or not, in the run folder
+    ``session`` where this jax can name it; returns the run folder's name, or None (jax's own)."""
+    options = jax.profiler.ProfileOptions()
+    if hasattr(options, "python_tracer_level"):
+        options.python_tracer_level = 1 if python else 0
+    named = hasattr(options, "session_id")  # each run its own folder, even two in one second
+    if named:
+        options.session_id = session
+    jax.profiler.start_trace(folder, profiler_options=options)
+    return session if named else None
 
 
 def check_folder(folder: str) -> None:

@@ -10,7 +10,8 @@ transfers) come from the ledger's times. ``from_ledger`` builds the timeline fro
 alone, where the trace cannot be read.
 
 A step is the trainer's step the op belongs to: by the program run (``run_id``) dispatched inside
-the step's ``StepTraceAnnotation``, else the last step started before the op.
+the step's ``StepTraceAnnotation``, else the last step started before the op; mgkit's copies
+carry none (a batch's copy comes before its step).
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ def _timeline(
     step_starts = [s.start for s in steps]
 
     def step_of(r: _Raw) -> int | None:
+        if r.program in Kind.MOVES:  # mgkit's copy: a batch's comes before its step, others in none
+            return None
         if r.run is not None and r.run in step_of_run:
             return step_of_run[r.run]
         i = bisect.bisect_right(step_starts, r.start) - 1
@@ -351,10 +354,13 @@ def from_ledger(events: Sequence[Event]) -> Timeline:
 
 
 def _notes(source: str) -> list[str]:
+    """What the picture says about how it was made: its first line fits the picture's width."""
+    copies = (
+        "mgkit's copies (puts, splits, transfers) at the ledger's times, on the context that received them"
+    )
     if source == "host threads":
         return [
-            "CPU: the trace has host threads only; each XLA op is placed on the context whose device "
-            "ran it, mgkit's copies on the context that received them (from the ledger), and 'host' "
-            "is the Python thread dispatching each step"
+            "CPU trace (host threads only): each op on the context whose device ran it; 'host': the dispatch",
+            copies,
         ]
-    return ["rows: each device's streams; mgkit's copies from the ledger; 'host': step dispatch"]
+    return ["rows: each device's streams; 'host': step dispatch", copies]

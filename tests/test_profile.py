@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -58,9 +59,10 @@ def test_a_profile_of_trainer_steps_draws_a_row_per_context_labelled_by_program_
     assert svg.startswith("<svg") and "http" not in svg.replace('xmlns="http://www.w3.org/2000/svg"', "")
     for step in tl.steps:
         assert f"compute: jit_step s{step}," in svg and f"communication: jit_step s{step}," in svg
+        assert f"host: s{step}," in svg  # the step's dispatch on the host row
     assert ">dev0<" in svg and ">dev1<" in svg and ">host<" in svg
     text = str(view)
-    assert "the trace has host threads only" in text and "host:" in text
+    assert "CPU trace (host threads only): each op on the context whose device ran it" in text
     assert text.splitlines()[-1].startswith("C compute  A communication")
 
 
@@ -241,6 +243,11 @@ def test_bad_arguments_name_the_value(kwargs, message):
         mg.profile(**kwargs)
 
 
+def test_the_default_folder_is_in_the_temporary_folder():
+    assert mg.profile().folder == os.path.join(tempfile.gettempdir(), "mgkit-profiles")
+    assert repr(mg.profile("x")).startswith("mgkit profile: not started (`with` it); it will write to ")
+
+
 def test_a_profile_view_of_something_else_is_refused():
     with pytest.raises(TypeError, match=r"the Profile of `with mg.profile\(\) as prof:`, got int"):
         mg.ProfileView(42)
@@ -313,3 +320,13 @@ def test_the_magic_is_listed_in_the_help_and_removed_on_unload(shell):
     assert "mgkit_profile" not in shell.magics_manager.magics["cell"]
     shell.run_line_magic("load_ext", "mgkit")
     assert "mgkit_profile" in shell.magics_manager.magics["cell"]
+
+
+def test_a_cell_that_fails_under_the_magic_stops_the_trace_and_shows_the_error(shell, tmp_path):
+    with capture_output() as captured:
+        result = shell.run_cell(f"%%mgkit_profile --dir {tmp_path}\n1 / 0")
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+    prof = shell.user_ns["_mgkit_profile"]
+    assert isinstance(prof.error, ZeroDivisionError) and os.path.isfile(prof.trace)
+    assert "stopped by ZeroDivisionError" in captured.stdout
+    _no_trace_running(tmp_path)

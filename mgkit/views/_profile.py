@@ -23,9 +23,10 @@ _CHAR_WIDTH = 5.6  # pixels per character of the SVG's 10 px font
 
 
 def label_of(span: Span) -> str:
-    """A block's label: its program and its step (``jit_step s3``)."""
+    """A block's label: its program and its step (``jit_step s3``; on the host row ``s3``)."""
     step = f"s{span.step}" if span.step is not None else ""
-    return " ".join(p for p in (span.program, step) if p)
+    program = "" if span.category == HOST else span.program  # the host row: each step's dispatch
+    return " ".join(p for p in (program, step) if p)
 
 
 class ProfileView(Schedule):
