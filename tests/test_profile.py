@@ -1,9 +1,12 @@
 """mg.profile() and %%mgkit_profile: a profiler trace read back into a timeline per context."""
 
+import _thread
 import os
 import re
 import signal
 import tempfile
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -176,13 +179,24 @@ def _no_trace_running(tmp_path) -> None:
 
 
 def test_ctrl_c_inside_a_profile_stops_the_trace_and_keeps_it(trainer, tmp_path, capsys):
+    data = _data(16)
+    first = trainer.step + 1
+
+    def batches(step):
+        if step == first + 3:  # Ctrl-C while the fit runs: it stops at a step boundary
+            threading.Timer(0.0, _thread.interrupt_main).start()
+            time.sleep(0.05)
+        return data
+
     with pytest.raises(KeyboardInterrupt), mg.profile(tmp_path) as prof:
-        trainer.fit(_data(), steps=2, batch_size=16, progress=False)
-        signal.raise_signal(signal.SIGINT)
+        trainer.fit(batches, steps=1000, progress=False)
     assert isinstance(prof.error, KeyboardInterrupt) and os.path.isfile(prof.trace)
     assert "stopped by KeyboardInterrupt" in capsys.readouterr().out
     _no_trace_running(tmp_path)
-    assert prof.timeline.steps  # what ran before Ctrl-C can still be read
+    assert prof.timeline.steps[0] == first and len(prof.timeline.steps) < 10  # what ran can be read
+    with pytest.raises(KeyboardInterrupt), mg.profile(tmp_path, show=False):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C outside any fit
+    _no_trace_running(tmp_path)
 
 
 def test_a_failure_inside_a_profile_stops_the_trace(tmp_path):
