@@ -37,6 +37,7 @@ _COLLECTIVE = re.compile(
 )
 _COPY = re.compile(r"^memcpy|MemcpyH2D|MemcpyD2H|MemcpyD2D|MemcpyP2P", re.I)
 _GPU_PLANE = re.compile(r"^/device:(?:GPU|TPU):(\d+)")
+_NOT_OPS = ("end: ", "ThreadpoolListener", "$")  # host events that are no op: skipped unread
 _MERGE_GAP = 0.002  # ops closer than this share of the window are drawn as one block
 
 
@@ -184,6 +185,8 @@ def _host_ops(plane: Any, contexts: Mapping[int, str], wall, steps: list, runs: 
     and, on CPU, XLA's ops, each on the context of its ``device_ordinal``."""
     for line in plane.lines:
         for e in line.events:
+            if e.name.startswith(_NOT_OPS):
+                continue
             stats = dict(e.stats)
             if e.name == STEP_NAME and "step_num" in stats:
                 steps.append(
@@ -257,7 +260,7 @@ def _timeline(
         shares[ctx] = shares_of(
             {c: [(s.start, s.end) for s in mine if s.category == c] for c in CATEGORIES}, window
         )
-    rows = list(dict.fromkeys(sorted((s.row for s in spans if s.context is not None), key=_row_order)))
+    rows = sorted({s.row for s in spans if s.context is not None}, key=_row_order)
     if steps:
         rows.append(HOST_ROW)
     merged = merge(sorted(spans, key=lambda s: (s.row, s.start)), window * _MERGE_GAP)
