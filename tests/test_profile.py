@@ -7,6 +7,7 @@ import signal
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,15 @@ def test_a_profile_of_trainer_steps_draws_a_row_per_context_labelled_by_program_
     text = str(view)
     assert "CPU trace (host threads only): each op on the context whose device ran it" in text
     assert text.splitlines()[-1].startswith("C compute  A communication")
+
+
+def test_the_view_is_a_widget_in_a_notebook_and_saves_a_png(trainer, tmp_path):
+    prof = _profiled(trainer, tmp_path, steps=2, show=False)
+    view = prof.view(widget=True)
+    assert "application/vnd.jupyter.widget-view+json" in view._repr_mimebundle_()
+    assert "<svg" in view._box.children[0].value and "mgkit-profile" in view._box._dom_classes
+    path = prof.view(widget=False).save_png(tmp_path / "profile.png")
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_summary_gives_each_contexts_shares_summing_to_one(trainer, tmp_path):
@@ -294,6 +304,16 @@ def test_the_magic_profiles_the_cell_and_draws_the_timeline_inline(shell, tmp_pa
     (drawn,) = [o for o in captured.outputs if "mgkit-profile" in o.data.get("text/html", "")]
     assert "<svg" in drawn.data["text/html"] and "jit_step s" in drawn.data["text/html"]
     assert drawn.data["text/plain"].startswith("mgkit profile: steps ")
+
+
+def test_the_magics_python_option_traces_python_calls(shell, tmp_path):
+    with capture_output():
+        result = shell.run_cell(f"%%mgkit_profile --python --dir={tmp_path}\nsum(range(10))")
+    assert result.success and result.result == 45
+    prof = shell.user_ns["_mgkit_profile"]
+    assert prof.python and prof.folder == str(tmp_path)
+    names = {e.name for p in ProfileData.from_file(prof.trace).planes for ln in p.lines for e in ln.events}
+    assert any(n.startswith("$") for n in names)  # the Python tracer's calls
 
 
 @pytest.mark.parametrize(
