@@ -230,9 +230,7 @@ class Profile:
         rows = [
             (ctx, *(getattr(s, c) for c in CATEGORIES), s.idle, tl.window) for ctx, s in tl.shares.items()
         ]
-        steps = f"step(s) {tl.steps[0]}..{tl.steps[-1]}" if tl.steps else "no trainer step"
-        title = f"mgkit profile: {steps}, {tl.window * 1e3:.2f} ms window, from the {tl.source}"
-        return ProfileSummary(rows, title)
+        return ProfileSummary(rows, f"mgkit profile: {tl.about}")
 
     def view(self, widget: bool | None = None) -> Any:
         """The timeline as a view (``mg.ProfileView``): inline SVG, text, ``save_png``."""

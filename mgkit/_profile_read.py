@@ -77,6 +77,12 @@ class Timeline(NamedTuple):
     steps: tuple[int, ...]  # the trainer steps seen, in order
     notes: tuple[str, ...]  # what the picture should say about how it was made
 
+    @property
+    def about(self) -> str:
+        """One line: the steps, contexts, window and source (``steps 3..12 on 2 context(s), ...``)."""
+        steps = f"steps {self.steps[0]}..{self.steps[-1]}" if self.steps else "no trainer step"
+        return f"{steps} on {len(self.shares)} context(s), {self.window * 1e3:.2f} ms, from the {self.source}"
+
 
 class _Raw(NamedTuple):
     """An op or copy as read, before merging: times in wall-clock seconds."""

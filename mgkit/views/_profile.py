@@ -47,11 +47,7 @@ class ProfileView(Schedule):
         self.profile = profile
         self.timeline = tl = profile.timeline
         blocks = [Block(s.row, s.category, label_of(s), s.start, s.end) for s in tl.spans]
-        steps = f"steps {tl.steps[0]}..{tl.steps[-1]}" if tl.steps else "no trainer step"
-        title = (
-            f"mgkit profile: {steps} on {len(tl.shares)} context(s), {tl.window * 1e3:.2f} ms, "
-            f"from the {tl.source}"
-        )
+        title = f"mgkit profile: {tl.about}"
         shares = "; ".join(
             f"{ctx} {s.compute:.0%} compute, {s.communication:.0%} comm, {s.transfer:.0%} transfer, "
             f"{s.idle:.0%} idle"
