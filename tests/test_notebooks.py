@@ -159,6 +159,18 @@ EXPECTED_OUTPUT = {
         "parameters stay float32: {'float32'}",
         "training accuracy after 7 steps: 0.",
     ],
+    "08_seeing_inside.ipynb": [
+        "Trainer step: 4.3 MiB in 1 collective(s) per step",
+        "all-reduce ",
+        "arithmetic intensity",
+        "all-gather ",
+        "collectives inside compiled programs:",
+        "mgkit's moves alone: mgkit transfers: 80 (650.0 KiB moved",
+        "mgkit profile: 0.",
+        "trace kept at",
+        "mgkit profile: steps 6..15 on 8 context(s)",
+        "context  compute  communication  transfers  idle",
+    ],
 }
 
 
