@@ -294,10 +294,9 @@ def readings(
     for device in devices:
         if device in out:
             continue
-        stats = memory_stats(device)
-        used, limit = stats.get("bytes_in_use"), stats.get("bytes_limit")
+        used, limit = memory(device)
         if used is not None or limit is not None:
-            out[device] = Reading(used, stats.get("peak_bytes_in_use"), limit, ALLOCATOR)
+            out[device] = Reading(used, memory_stats(device).get("peak_bytes_in_use"), limit, ALLOCATOR)
             continue
         if held is None:
             held = (live or live_array_bytes)()
