@@ -99,6 +99,14 @@ class Feed:
         kinds, exclude = self.kinds, self.exclude
         return [e for e in events if (e.kind in kinds) != exclude]
 
+    def skip(self) -> int:
+        """Drops the buffered entries without making their events (a view that only needs to
+        know that the ledger recorded something); returns how many there were."""
+        n = len(self.buffer)
+        for _ in range(n):
+            self.buffer.popleft()
+        return n
+
     def close(self) -> None:
         self._detach()
 
