@@ -27,6 +27,7 @@ from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._ledger import Event as Event
 from ._ledger import Ledger as Ledger
 from ._ledger import ledger as ledger
+from ._oom import OutOfMemoryError as OutOfMemoryError
 from ._parallel import Parallel as Parallel
 from ._parallel import UnboundAxisError as UnboundAxisError
 from ._parallel import concat as concat
@@ -78,6 +79,7 @@ __all__ = [
     "Member",
     "MemberError",
     "MemoryView",
+    "OutOfMemoryError",
     "Parallel",
     "Pipeline",
     "PrecisionWarning",

@@ -394,6 +394,7 @@ class Trainer(Checkpointing):
         if resume and total is not None:
             total = max(total - self._step, 0)
         fit = Fit(where, self.targets.contexts, total, progress)
+        fit.state = self.memory
         self.history = fit.history
         if total == 0:
             return fit.history
