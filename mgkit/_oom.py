@@ -22,7 +22,7 @@ from ._table import human_bytes
 
 TOP = 5  # the largest live arrays listed per context
 
-_OOM_WORDS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory")
+_OOM_WORDS = ("RESOURCE_EXHAUSTED", "Resource exhausted", "out of memory", "Out of memory")
 _NEEDED = re.compile(r"allocat\w*\s+([0-9][0-9,]*)\s*bytes", re.IGNORECASE)
 _NEEDED_SIZE = re.compile(r"allocat\w*\s+([0-9.]+)\s*([KMGT]i?B)\b", re.IGNORECASE)
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
