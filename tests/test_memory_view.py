@@ -64,6 +64,21 @@ def test_the_simulated_limit_is_drawn(monkeypatch, tmp_path):
     view.close()
 
 
+def test_a_device_with_allocator_statistics_shows_its_use_and_peak(monkeypatch):
+    stats = {"bytes_in_use": 1 << 30, "peak_bytes_in_use": 3 << 30, "bytes_limit": 16 << 30}
+    monkeypatch.setattr(_devices, "memory_stats", lambda d: dict(stats) if d.id == 4 else {})
+    monkeypatch.setattr(
+        _devices, "memory", lambda d: (stats["bytes_in_use"], 16 << 30) if d.id == 4 else (None, None)
+    )
+    view = mg.MemoryView(contexts=["dev4"], widget=False, live=False)
+    stats["bytes_in_use"] = 2 << 30
+    row = view.rows()[0]
+    assert row[2:6] == (2 << 30, 3 << 30, 16 << 30, "allocator")  # the allocator's own peak
+    assert [p.used for p in view.history("dev4")] == [1 << 30, 2 << 30]
+    assert re.search(r"dev4\s+cpu4\s+2.0 GiB\s+3.0 GiB\s+16.0 GiB\s+allocator", repr(view))
+    assert "live arrays:" not in repr(view)
+
+
 def test_a_watched_trainer_is_drawn_as_bands():
     tr = mg.Trainer(_loss, optax.adam(1e-3), {"w": jnp.zeros((64, 4))}, contexts=["dev0", "dev1"])
     view = mg.MemoryView(contexts=["dev0", "dev1", "dev2"], widget=False, live=False)
