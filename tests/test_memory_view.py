@@ -99,6 +99,22 @@ def test_a_watched_trainer_is_drawn_as_bands():
     view.close()
 
 
+def test_a_trainer_whose_state_is_in_a_running_step_is_read_again_later():
+    class Busy:  # memory() as Trainer.memory() raises while the step holds the donated state
+        calls = 0
+
+        def memory(self):
+            Busy.calls += 1
+            if Busy.calls == 1:
+                raise RuntimeError("Array has been deleted with shape=float32[256].")
+            return mg.fits({"w": jnp.zeros((64, 4))}, optax.sgd(0.1), contexts=["dev0"])
+
+    busy = Busy()
+    view = mg.MemoryView(contexts=["dev0"], widget=False, live=False).watch(busy)
+    assert view.errors == 0 and view.rows()[0].band == (1024, 0, 0)  # read at the next refresh
+    view.close()
+
+
 def test_the_dashboard_has_the_memory_panel_and_it_samples_while_a_trainer_runs(tmp_path):
     tr = mg.Trainer(_loss, optax.adam(1e-3), {"w": jnp.zeros((64, 4))})
     dash = mg.Dashboard(rate=10, widget=True).watch(tr)

@@ -167,7 +167,12 @@ class MemoryView(Plotted):
         bands: dict[str, Band] = {}
         for ref in self._trainers:
             trainer = ref()
-            for r in [] if trainer is None else trainer.memory().rows():
+            try:
+                table = [] if trainer is None else trainer.memory().rows()
+            except RuntimeError:  # its state was given to a step that is running: read it next time
+                self._bands_at = now - BANDS_AGE + BUSY_AGE
+                return False
+            for r in table:
                 old = bands.get(r.context, Band(0, 0, 0))
                 bands[r.context] = Band(
                     old.params + r.params, old.opt_state + r.opt_state, old.batch + r.batch
