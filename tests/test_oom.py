@@ -123,3 +123,20 @@ def test_what_the_program_needed_is_read_from_the_error(text, oom, needed):
     if oom:
         assert _oom.needed_bytes(text) == needed
     assert not _oom.is_out_of_memory(ValueError(text))  # XLA's errors are RuntimeErrors
+
+
+def test_the_report_names_the_cell_that_placed_an_array():
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    ip = InteractiveShell.instance(config=config)
+    try:
+        ip.run_cell("import numpy as np, mgkit as mg")
+        result = ip.run_cell("kept = mg.put(np.ones((300, 1000), np.float32), 'dev6')", store_history=True)
+        assert _oom.placed_by(ip.user_ns["kept"]) == _oom.Placed("put", result.execution_count)
+        facts = _oom.live_facts([("dev6", jax.devices()[6])])
+        assert f"    float32[300,1000]  1.1 MiB  (placed by mg.put in In [{result.execution_count}])" in facts
+    finally:
+        InteractiveShell.clear_instance()
