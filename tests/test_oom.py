@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
 
 import mgkit as mg
 from mgkit import _devices, _oom, _transfer
@@ -126,9 +128,6 @@ def test_what_the_program_needed_is_read_from_the_error(text, oom, needed):
 
 
 def test_the_report_names_the_cell_that_placed_an_array():
-    from IPython.core.interactiveshell import InteractiveShell
-    from traitlets.config import Config
-
     config = Config()
     config.HistoryManager.hist_file = ":memory:"
     ip = InteractiveShell.instance(config=config)
