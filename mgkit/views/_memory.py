@@ -91,7 +91,8 @@ class MemoryView(Plotted):
       contexts: context names to show (default: every context of the current map).
       rate: samples (and refreshes) per second, above 0 and at most 10.
       window: seconds of history kept and drawn, 1 to 3600.
-      ledger: the ledger whose step events mark step boundaries (default ``mg.ledger()``).
+      ledger: the ledger whose records (steps, moves) say the live arrays may have changed, so
+        they are summed again sooner (default ``mg.ledger()``).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while a cell runs; False:
@@ -142,7 +143,7 @@ class MemoryView(Plotted):
 
         Args:
           trainer: an ``mg.Trainer`` (anything with a ``memory()`` method that returns an
-            ``mg.MemoryTable``).
+            ``mg.train.MemoryTable``).
         """
         if not callable(getattr(trainer, "memory", None)):
             raise TypeError(
