@@ -144,6 +144,22 @@ def live_facts(contexts: Sequence[tuple[str, jax.Device]], top: int = TOP) -> st
     return "\n".join(lines)
 
 
+def program_needs(compiled: Any) -> str | None:
+    """What a compiled program needs on each device, from its ``memory_analysis`` (None where
+    the backend does not say)."""
+    try:
+        m = compiled.memory_analysis()
+        args, out = m.argument_size_in_bytes, m.output_size_in_bytes
+        alias, temp = m.alias_size_in_bytes, m.temp_size_in_bytes
+    except Exception:  # noqa: BLE001 - no analysis on this backend
+        return None
+    total = args + out - alias + temp
+    return (
+        f"{human_bytes(total)} per device from the compiled program (arguments {human_bytes(args)}, "
+        f"outputs {human_bytes(out - alias)} beyond the donated arguments, temporaries {human_bytes(temp)})"
+    )
+
+
 def state_facts(table: Any) -> str:
     """A trainer's ``MemoryTable`` in one line per context (parameters, optimizer state, batch)."""
     lines = ["the training state per context (parameters + optimizer state + batch = total / limit):"]
@@ -162,15 +178,19 @@ def report(
     contexts: Sequence[tuple[str, jax.Device]],
     fixes: Sequence[str],
     state: Callable[[], Any] | None = None,
+    needs: Callable[[], str | None] | None = None,
 ) -> OutOfMemoryError:
     """The ``OutOfMemoryError`` for ``error`` in the mgkit call ``where`` on ``contexts`` (name,
-    device): the error's first line, what the failing program needed (the bytes the error's
-    text names), each context's largest live arrays, a trainer's state (``state()``, its
-    ``MemoryTable``, where given and readable) and the ``fixes``."""
+    device): the error's first line, what the failing program needed (``needs()``: from its
+    compiled form, where given; and the allocation the error's text names), each context's
+    largest live arrays, a trainer's state (``state()``, its ``MemoryTable``, where given and
+    readable) and the ``fixes``."""
     text = str(error)
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     asked = needed_bytes(text)
-    need = f"one allocation of {human_bytes(asked)}" if asked is not None else "not said by the error"
+    said = [needs() if needs is not None else None]
+    said.append(f"the allocation that failed: {human_bytes(asked)}" if asked is not None else None)
+    need = "; ".join(x for x in said if x) or "not said by the error"
     lines = [
         f"{where}: a device ran out of memory ({first})",
         f"the failing program needed: {need}",
@@ -191,8 +211,9 @@ def raise_if_out_of_memory(
     contexts: Sequence[tuple[str, jax.Device]],
     fixes: Sequence[str],
     state: Callable[[], Any] | None = None,
+    needs: Callable[[], str | None] | None = None,
 ) -> None:
     """Raises the ``OutOfMemoryError`` report (from ``error``) when ``error`` is an
     out-of-memory error; else returns, and the caller re-raises ``error``."""
     if is_out_of_memory(error):
-        raise report(where, error, contexts, fixes, state) from error
+        raise report(where, error, contexts, fixes, state, needs) from error

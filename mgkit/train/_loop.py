@@ -179,6 +179,7 @@ class StepEvents:
     ):
         self.contexts = tuple(contexts)
         self.state: Callable[[], Any] | None = None  # the trainer's MemoryTable, for an OOM report
+        self.needs: Callable[[], str | None] | None = None  # what its step needs, for that report
         nan = float("nan")
         self._info = {"what": what, "of": total, "models": 1, "grad": nan, "final": False, **(info or {})}
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -292,6 +293,7 @@ class Fit:
         self.where, self.total = where, total
         self.contexts = tuple(contexts)
         self.state: Callable[[], Any] | None = None  # the trainer's MemoryTable, for an OOM report
+        self.needs: Callable[[], str | None] | None = None  # what its step needs, for that report
         self.history = History(tuple(c.name for c in contexts))
         self.events = StepEvents(where, contexts, total, info)
         self.bar = Bar(where, total, progress)
@@ -313,7 +315,7 @@ class Fit:
             raise
         except Exception as e:
             on = [(c.name, c.device) for c in self.contexts]
-            raise_if_out_of_memory(e, self.where, on, FIT_FIXES, self.state)
+            raise_if_out_of_memory(e, self.where, on, FIT_FIXES, self.state, self.needs)
             raise
         finally:
             self.bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")

@@ -10,6 +10,7 @@ import jax
 
 from .. import _progress
 from .._numbers import whole
+from .._oom import program_needs
 from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data
 from ._accumulate import check_rows
@@ -207,6 +208,11 @@ class Trainer(Checkpointing):
         """
         return live(self.targets, self._params, self._opt, self._batch_bytes)
 
+    def _needs(self) -> str | None:
+        """What the last step's compiled program needs per device (for an out-of-memory report)."""
+        last = self._collectives.last if self._collectives is not None else None
+        return None if last is None or last.compiled is None else program_needs(last.compiled)
+
     @property
     def step_fn(self) -> Callable:
         """The compiled step, for a loop of one's own: ``step_fn(params, opt_state, batch,
@@ -394,7 +400,7 @@ class Trainer(Checkpointing):
         if resume and total is not None:
             total = max(total - self._step, 0)
         fit = Fit(where, self.targets.contexts, total, progress)
-        fit.state = self.memory
+        fit.state, fit.needs = self.memory, self._needs
         self.history = fit.history
         if total == 0:
             return fit.history
