@@ -15,6 +15,7 @@ from traitlets.config import Config
 import mgkit as mg
 from mgkit import _devices
 from mgkit.views import _live
+from mgkit.views._devicemap import LIVE_BYTES
 
 MB4 = 4_000_000  # a float32[1000, 1000]
 
@@ -121,7 +122,7 @@ def test_the_dashboard_has_the_memory_panel_and_it_samples_while_a_trainer_runs(
     assert dash.memory in dash.views and dash.memory.widget in dash.widget.children
     samples = dash.memory.samples
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 1.0:
+    while dash.memory.samples - samples < 2 and time.monotonic() - t0 < 20:
         tr.fit(_data(), steps=20, batch_size=64, progress=False)
     assert dash.memory.samples - samples >= 2  # the live thread sampled during the fits
     assert "mgkit memory: 8 context(s)" in dash.text() and "optimizer state" in dash.text()
@@ -147,13 +148,22 @@ def test_the_live_arrays_are_summed_within_a_share_of_a_core():
     assert reading.readings == 2 and reading.busy < 0.01
 
 
-def test_a_live_view_samples_at_its_rate_within_the_budget():
-    arrays = [mg.put(np.ones(4, np.float32), "dev3") for _ in range(2000)]  # ~8 ms a sum
+def test_a_live_view_samples_on_its_own():
     view = mg.MemoryView(contexts=["dev3"], rate=10, widget=True)
-    busy, wall = _live.REFRESHER.busy, time.perf_counter()
+    deadline = time.monotonic() + 20  # the views' thread may be pausing after a costly round
+    while view.samples < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert view.samples >= 4
+    view.close()
+
+
+def test_a_live_view_sums_many_live_arrays_within_its_share_of_a_core():
+    arrays = [mg.put(np.ones(4, np.float32), "dev3") for _ in range(3000)]  # ~10 ms a sum
+    view = mg.MemoryView(contexts=["dev3"], rate=10, widget=True)
+    readings, busy, wall = LIVE_BYTES.readings, LIVE_BYTES.busy, time.perf_counter()
     time.sleep(1.5)
-    share = (_live.REFRESHER.busy - busy) / (time.perf_counter() - wall)
-    assert view.samples >= 5 and share < 0.03, (view.samples, share)
+    share = (LIVE_BYTES.busy - busy) / (time.perf_counter() - wall)
+    assert share < 0.015 and LIVE_BYTES.readings - readings <= 3, (share, LIVE_BYTES.readings - readings)
     view.close()
     del arrays
 
