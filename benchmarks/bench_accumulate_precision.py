@@ -12,7 +12,9 @@ a machine with GPUs, ``d0..dN`` on them.
                            not reuse donated buffers, temporaries: ``memory_analysis``) of
                            ``accumulate=8`` at batch B against a step of batch B/8, and against
                            the unaccumulated step of batch B. MLP 16-256x4-1 (ReLU), adam, B/8 =
-                           1,024 rows per device. Goal <= 1.15.
+                           1,024 rows per device. Goal <= 1.15. The same with ``shard="fsdp"``
+                           (parameters and adam's state split over the devices): MLP
+                           512-2048x3-1, B/8 = 256 rows per device. Goal <= 1.15.
   (b) accumulation time    time per sample of ``accumulate=8`` at batch B against the
                            unaccumulated step at the same batch (ABBA rounds). Reported.
   (c) mixed precision      an MLP 64-128-10 (tanh) on scikit-learn's digits, adam at 1e-3 and
@@ -45,6 +47,7 @@ from bench_train import compare
 import mgkit as mg
 from mgkit._spmd import AXIS, sharding
 from mgkit.train._accumulate import peak_bytes
+from mgkit.train._shard import Placement, plan
 from mgkit.train._step import spmd_step
 
 K = 8  # microbatches in (a) and (b)
@@ -80,22 +83,32 @@ def deep_params(widths: list[int]) -> dict:
     return {"ws": [jax.random.normal(k, (a, b)) / np.sqrt(a) for k, (a, b) in zip(keys, pairs, strict=True)]}
 
 
-def step_bytes(devices: tuple, widths: list[int], rows: int, accumulate: int) -> int:
-    """Per-device peak of the trainer's SPMD step, lowered on shapes (nothing allocated)."""
-    rep, split = sharding(devices), sharding(devices, AXIS, 0)
+def step_bytes(
+    devices: tuple, widths: list[int], rows: int, accumulate: int, shard: str | None = None
+) -> int:
+    """Per-device peak of the trainer's SPMD step, lowered on shapes (nothing allocated);
+    ``shard``: parameters and optimizer state split as ``Trainer(shard=...)`` splits them."""
     opt = optax.adam(1e-3)
+    own = jax.eval_shape(lambda: deep_params(widths))
+    state = jax.eval_shape(opt.init, own)
+    layout = None if shard is None else Placement(plan(own, shard, None, len(devices), "bench"), devices)
+    if layout is None:
+        rep, split = sharding(devices), sharding(devices, AXIS, 0)
+        laid, state_laid = jax.tree_util.tree_map(lambda _: rep, (own, state))
+    else:
+        rep, split, laid, state_laid = layout.rep, layout.split, layout.params, layout.opt_state(opt)
 
     def shapes(tree, where):
-        return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), tree)
+        return jax.tree_util.tree_map(
+            lambda s, at: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=at), tree, where
+        )
 
-    params = shapes(jax.eval_shape(lambda: deep_params(widths)), rep)
-    state = shapes(jax.eval_shape(opt.init, params), rep)
     batch = {
         "x": jax.ShapeDtypeStruct((rows, widths[0]), jnp.float32, sharding=split),
         "y": jax.ShapeDtypeStruct((rows, 1), jnp.float32, sharding=split),
     }
-    step = spmd_step(deep_loss, opt, False, devices, accumulate=accumulate)
-    return peak_bytes(step, params, state, batch, None, None)
+    step = spmd_step(deep_loss, opt, False, devices, accumulate=accumulate, layout=layout)
+    return peak_bytes(step, shapes(own, laid), shapes(state, state_laid), batch, None, None)
 
 
 def accumulation(args, devices: tuple) -> list[list[str]]:
@@ -124,6 +137,20 @@ def accumulation(args, devices: tuple) -> list[list[str]]:
             "-",
         ],
     ]
+    if n > 1:  # fsdp: split parameters and optimizer state
+        wide, micro = [512, 2048, 2048, 2048, 1], n * 256
+        accumulated = step_bytes(devices, wide, K * micro, K, "fsdp")
+        one = step_bytes(devices, wide, micro, 1, "fsdp")
+        rows.append(
+            [
+                f"(a) peak, fsdp, accumulate={K} vs batch/{K}",
+                f"{accumulated / mib:.2f} MiB",
+                f"{one / mib:.2f} MiB",
+                f"{accumulated / one:.3f}",
+                "<= 1.15",
+                "yes" if accumulated <= 1.15 * one else "NO",
+            ]
+        )
     # (b): the same batch, with and without accumulation, per sample
     batch = K * (n * (32 if args.quick else 128))
     rng = np.random.default_rng(0)

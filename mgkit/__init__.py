@@ -38,6 +38,8 @@ from ._parallel import run_each as run_each
 from ._parallel import split as split
 from ._prefetch import Prefetch as Prefetch
 from ._prefetch import prefetch as prefetch
+from ._profile import Profile as Profile
+from ._profile import profile as profile
 from ._spmd import clear_caches as clear_caches
 from ._transfer import colocate as colocate
 from ._transfer import put as put
@@ -84,6 +86,8 @@ __all__ = [
     "Pipeline",
     "PrecisionWarning",
     "Prefetch",
+    "Profile",
+    "ProfileView",
     "Schedule",
     "ShardingView",
     "StallWarning",
@@ -110,6 +114,7 @@ __all__ = [
     "parallel",
     "pmap",
     "prefetch",
+    "profile",
     "put",
     "run_each",
     "show_sharding",
@@ -128,6 +133,7 @@ _LAZY = {
     "DeviceMap": ".views",
     "LaunchView": ".views",
     "MemoryView": ".views",
+    "ProfileView": ".views",
     "Schedule": ".views",
     "ShardingView": ".views",
     "ThroughputView": ".views",
@@ -151,7 +157,8 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext mgkit``: registers ``%mgkit``, ``%%on`` and ``%%mgkit_peak`` (imports IPython only now)."""
+    """``%load_ext mgkit``: registers ``%mgkit``, ``%%on``, ``%%mgkit_peak`` and ``%%mgkit_profile``
+    (imports IPython only now)."""
     from ._magics import load_ipython_extension as load
 
     load(ipython)

@@ -1,5 +1,6 @@
-"""IPython magics: ``%mgkit`` (devices, contexts, simulate, dashboard, ledger, help), ``%%on`` and
-``%%mgkit_peak``. Loaded with ``%load_ext mgkit``; ``import mgkit`` alone never imports IPython.
+"""IPython magics: ``%mgkit`` (devices, contexts, simulate, dashboard, ledger, help), ``%%on``,
+``%%mgkit_peak`` and ``%%mgkit_profile``. Loaded with ``%load_ext mgkit``; ``import mgkit`` alone
+never imports IPython.
 
 Arguments are split like a shell command line (``shlex``) and checked strictly: misuse raises
 IPython's ``UsageError`` naming the bad value and the valid choices. ``{expr}`` and ``$var`` are
@@ -9,6 +10,7 @@ never expanded (every magic is ``@no_var_expand``) and are rejected, and nothing
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import inspect
 import re
@@ -27,6 +29,7 @@ from . import _contexts, _devices
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger, short_label
 from ._peaks import Peak, PeakWatch
+from ._profile import profile
 from ._table import Table, human_bytes
 from ._transfer import synchronize
 
@@ -41,6 +44,8 @@ _COMMANDS = {
 }
 _ON_USAGE = "%%on CONTEXT"
 _PEAK_USAGE = "%%mgkit_peak"
+_PROFILE_USAGE = "%%mgkit_profile [--dir FOLDER] [--python]"
+_PROFILE_OPTIONS = ("--dir", "--python")
 _EXPANSION = re.compile(r"[{}$]")
 
 HOST = _contexts.HOST
@@ -192,7 +197,7 @@ def _mapped_devices() -> dict[str, jax.Device]:
 
 @magics_class
 class MgkitMagics(Magics):
-    """``%mgkit``, ``%%on`` and ``%%mgkit_peak``."""
+    """``%mgkit``, ``%%on``, ``%%mgkit_peak`` and ``%%mgkit_profile``."""
 
     @no_var_expand
     @line_magic
@@ -219,6 +224,9 @@ class MgkitMagics(Magics):
                                        memory (n/a where the device does not report it), bytes
                                        moved host->device, device->host and device->device, and
                                        the wall time; the report is kept as `_mgkit_peak`
+          %%mgkit_profile [--dir D] [--python]
+                                       run the cell under jax.profiler and draw a timeline per
+                                       context (mg.profile()); kept as `_mgkit_profile`
 
         Arguments are taken literally: {expr} and $var are not expanded and are rejected.
         """
@@ -365,6 +373,39 @@ class MgkitMagics(Magics):
             display(report)
         return value
 
+    @no_var_expand
+    @cell_magic
+    def mgkit_profile(self, line: str, cell: str) -> Any:
+        """Runs the cell under ``jax.profiler``'s trace and draws a timeline per context.
+
+        Usage::
+
+          %%mgkit_profile [--dir FOLDER] [--python]
+
+        Like ``with mg.profile(FOLDER) as prof:`` around the cell: each trainer step is marked,
+        and when the cell ends the trace's path is printed (for XProf or Perfetto) and a timeline
+        is drawn inline (SVG: no server, no internet), a row per context with its compute,
+        communication, transfers and idle time, each block labelled with its program and step.
+        The ``Profile`` is kept in ``_mgkit_profile`` (``_mgkit_profile.summary()``: the shares).
+
+        Options:
+          --dir FOLDER   the trace folder (default: mgkit-profiles in the temporary folder)
+          --python       also trace every Python call (slower)
+
+        When the cell raises (Ctrl-C included), the trace stops, is kept, and the error shows.
+        """
+        dir_, python = _profile_options(_tokens("%%mgkit_profile", line, f"usage: {_PROFILE_USAGE}"))
+        prof = profile(dir_, python=python)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(prof)
+        except (OSError, RuntimeError) as e:
+            raise UsageError(f"%%mgkit_profile {line.strip()}: {e}; usage: {_PROFILE_USAGE}") from None
+        self.shell.user_ns["_mgkit_profile"] = prof
+        __tracebackhide__ = True
+        with stack:
+            return self._run(cell, "%%mgkit_profile")
+
     def _run(self, cell: str, magic: str) -> Any:
         """Runs cell code in the user's namespace as IPython would; returns its last expression's value."""
         __tracebackhide__ = True
@@ -390,6 +431,34 @@ class MgkitMagics(Magics):
         return None if value is None else eval(value, shell.user_global_ns, shell.user_ns)
 
 
+def _profile_options(args: list[str]) -> tuple[str | None, bool]:
+    """``%%mgkit_profile``'s options: (the trace folder or None, whether to trace Python calls)."""
+    folder, python = None, False
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        name, eq, value = arg.partition("=")
+        if name == "--dir":
+            if not eq:
+                if not rest or rest[0].startswith("--"):
+                    raise UsageError(
+                        f"%%mgkit_profile: --dir needs a folder, e.g. --dir profiles; usage: {_PROFILE_USAGE}"
+                    )
+                value = rest.pop(0)
+            if folder is not None:
+                raise UsageError(f"%%mgkit_profile: --dir given more than once; usage: {_PROFILE_USAGE}")
+            folder = value
+        elif arg == "--python":
+            python = True
+        else:
+            what = "option" if arg.startswith("-") else "argument"
+            raise UsageError(
+                f"%%mgkit_profile: unknown {what} {arg!r}{_closest(name, _PROFILE_OPTIONS)}; the options "
+                f"are {', '.join(_PROFILE_OPTIONS)}; usage: {_PROFILE_USAGE}"
+            )
+    return folder, python
+
+
 def _peak_report(
     meter: _Meter, peaks: dict[jax.Device, Peak], seconds: float, label: int | None
 ) -> PeakReport:
@@ -409,7 +478,7 @@ def _peak_report(
 
 
 def load_ipython_extension(ipython) -> None:
-    """Registers ``%mgkit``, ``%%on`` and ``%%mgkit_peak`` (``%load_ext mgkit``)."""
+    """Registers ``%mgkit``, ``%%on``, ``%%mgkit_peak`` and ``%%mgkit_profile`` (``%load_ext mgkit``)."""
     ipython.register_magics(MgkitMagics)
 
 
@@ -419,4 +488,5 @@ def unload_ipython_extension(ipython) -> None:
     manager.magics["line"].pop("mgkit", None)
     manager.magics["cell"].pop("on", None)
     manager.magics["cell"].pop("mgkit_peak", None)
+    manager.magics["cell"].pop("mgkit_profile", None)
     manager.registry.pop(MgkitMagics.__name__, None)

@@ -19,13 +19,21 @@ every device holds (or None). ``batch_gradient`` returns the function
   microbatch's activations are live at a time. With a key, microbatch ``j`` draws with
   ``fold_in(fold_in(key, j), block)``.
 
+With split parameters (``shard=``: a ``BlockSum``, the step's ``Placement``) no device holds a
+whole-parameter sum: each device computes its block's gradient (a ``shard_map`` over the batch
+axis), reduce-scatters it into a float32 sum split as the parameters are stored, microbatch by
+microbatch, as FSDP does; and the parameters pass an optimization barrier each microbatch, so
+XLA gathers them inside the loop and frees them in the backward pass, as a step of one
+microbatch does, rather than gathering them once before the loop and holding them through it.
+The peak is then that of a step of one microbatch (``tests/test_accumulate.py``).
+
 ``scale`` is float16's loss scale (``_precision.LossScale``) or None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,13 +101,30 @@ def _fold(key: Any, i: Any) -> Any:
     return None if key is None else jax.random.fold_in(key, i)
 
 
+class BlockSum(NamedTuple):
+    """How the SPMD step over split parameters sums its blocks' gradients (a ``Placement``'s)."""
+
+    # ``blocks(fn)``: ``fn(params, block, key, scale) -> (loss, aux, grads)`` run on each block
+    # where it lies: ``(params, blocks, keys, scale) -> (losses, auxes, grads)``, the blocks' losses
+    # and aux stacked, their gradients' float32 sum padded and split as the parameters are stored
+    blocks: Callable
+    lay: Callable  # a tree of the parameters' stored shapes -> laid out as they are stored
+    own: Callable  # a tree as stored -> in the parameters' own shapes (padding sliced off)
+
+
 def batch_gradient(
-    loss_fn: Callable, has_aux: bool, accumulate: int, groups: int, constrain: Callable | None = None
+    loss_fn: Callable,
+    has_aux: bool,
+    accumulate: int,
+    groups: int,
+    constrain: Callable | None = None,
+    split: BlockSum | None = None,
 ) -> Callable:
     """``(params, even, rest, key, scale) -> (loss, aux, grads)``: the gradient of the batch's
     mean loss (see the module's docstring). ``even``: rows in ``groups`` equal blocks, or None;
     ``rest``: more rows, or None. ``constrain(tree)``: lays out arrays whose first axis is the
-    blocks' like ``even``'s rows (the SPMD step's sharding constraint), or None.
+    blocks' like ``even``'s rows (the SPMD step's sharding constraint), or None. ``split``: how
+    the step's split parameters sum each microbatch's block gradients, or None (replicated).
 
     >>> import jax.numpy as jnp
     >>> grad = batch_gradient(lambda p, b: jnp.mean((b * p) ** 2), False, 4, 1)
@@ -121,12 +146,19 @@ def batch_gradient(
 
     def per_block(params, pieces, key, scale) -> tuple:
         """(loss, aux, grads) of each block's piece, stacked along a first axis laid out like
-        the blocks: each device computes its own block's, nothing crosses devices."""
+        the blocks: each device computes its own block's, nothing crosses devices. With split
+        parameters the gradients come summed over the blocks, as stored."""
         keys = None if key is None else jax.vmap(lambda g: jax.random.fold_in(key, g))(jnp.arange(groups))
+        if split is not None:
+            return split.blocks(one)(params, lay(pieces), keys, scale)
         out = jax.vmap(one, in_axes=(None, 0, None if key is None else 0, None))(
             params, lay(pieces), keys, scale
         )
         return lay(out)
+
+    def laid(total: tuple) -> tuple:
+        """A running total laid out: per block, or with split parameters the gradients as stored."""
+        return lay(total) if split is None else (*lay(total[:2]), split.lay(total[2]))
 
     def accumulated(params, even, rest, key, scale):
         stack, tail = (None, even) if even is None else microbatches(even, groups, accumulate)
@@ -136,18 +168,25 @@ def batch_gradient(
         c = jax.tree_util.tree_leaves(stack)[0].shape[2]
 
         def microbatch(total: tuple, j: jax.Array) -> tuple:
+            p = params
+            if split is not None:  # no loop invariant: the parameters are gathered inside the loop
+                p, j = jax.lax.optimization_barrier((params, j))
             piece = jax.tree_util.tree_map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 1, False), stack)
-            out = per_block(params, piece, _fold(key, j), scale)
-            return lay(_add(total, jnp.float32(c / total_rows), out)), None
+            out = per_block(p, piece, _fold(key, j), scale)
+            return laid(_add(total, jnp.float32(c / total_rows), out)), None
 
         first = jax.tree_util.tree_map(lambda x: x[:, 0], stack)
-        total = lay(_zeros(jax.eval_shape(lambda: per_block(params, first, key, scale))))
+        total = laid(_zeros(jax.eval_shape(lambda: per_block(params, first, key, scale))))
         total, _ = jax.lax.scan(microbatch, total, jnp.arange(accumulate))
         if tail is not None:
             a = jax.tree_util.tree_leaves(tail)[0].shape[1]
             out = per_block(params, tail, _fold(key, accumulate), scale)
-            total = lay(_add(total, jnp.float32(a / total_rows), out))
-        total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), total)  # the one reduction
+            total = laid(_add(total, jnp.float32(a / total_rows), out))
+        if split is None:
+            total = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), total)  # the one reduction
+        else:
+            loss, aux = jax.tree_util.tree_map(lambda x: jnp.sum(x, axis=0), total[:2])
+            total = (loss, aux, split.own(total[2]))
         if rest is not None:
             out = one(params, rest, _fold(key, accumulate + 1), scale)
             total = _add(total, jnp.float32(rows(rest) / total_rows), out)

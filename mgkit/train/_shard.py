@@ -316,6 +316,51 @@ class Placement:
         opt_state = param_like(optimizer, opt_state, self.plan.leaves, lambda x, lay: how(lay, x), None)
         return params, opt_state
 
+    def blocks(self, fn: Callable) -> Callable:
+        """``fn(params, block, key, scale) -> (loss, aux, grads)`` of one block of a batch, run on
+        each block where it lies (a ``shard_map`` over the batch axis; ``params`` whole, gathered
+        by XLA): ``(params, blocks, keys, scale) -> (losses, auxes, grads)``, ``blocks`` and ``keys``
+        stacked along a first axis split over the batch axis, the losses and aux stacked the same
+        way, and the blocks' gradients summed in float32, padded and split as the parameters are
+        stored: a reduce-scatter for a leaf split over the batch axis alone (each context receives
+        only its share's sum), an all-reduce for the others."""
+        axis = self.plan.batch_axis
+
+        def scattered(lay: LeafLayout) -> int | None:
+            """The axis of a leaf split over the batch axis alone, or None."""
+            return next((i for i, names in enumerate(lay.spec) if names == (axis,)), None)
+
+        def summed(lay: LeafLayout, g: jax.Array) -> jax.Array:
+            g = lay.pad(g.astype(jnp.result_type(g.dtype, jnp.float32)))
+            at = scattered(lay)
+            if at is None:
+                return jax.lax.psum(g, axis)
+            return jax.lax.psum_scatter(g, axis, scatter_dimension=at, tiled=True)
+
+        def local(params: Any, blocks: Any, keys: Any, scale: Any) -> tuple:
+            first = lambda tree: jax.tree_util.tree_map(lambda x: x[0], tree)  # noqa: E731
+            params = jax.lax.pcast(params, axis, to="varying")  # each block's own gradient, unsummed
+            loss, aux, grads = fn(params, first(blocks), None if keys is None else keys[0], scale)
+            stacked = jax.tree_util.tree_map(lambda x: x[None], (loss, aux))
+            return (*stacked, jax.tree_util.tree_map(summed, self.plan.leaves, grads))
+
+        def spec(lay: LeafLayout) -> P:
+            at = scattered(lay)
+            return P(*(axis if i == at else None for i in range(len(lay.shape))))
+
+        out = (P(axis), P(axis), jax.tree_util.tree_map(spec, self.plan.leaves))
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(), P(axis), P(axis), P()), out_specs=out, axis_names={axis}
+        )
+
+    def lay(self, tree: Any) -> Any:
+        """A tree of the parameters' stored shapes laid out as they are stored (inside jitted code)."""
+        return jax.lax.with_sharding_constraint(tree, self.params)
+
+    def own(self, tree: Any) -> Any:
+        """A tree of the parameters' stored shapes in their own shapes (the padding sliced off)."""
+        return jax.tree_util.tree_map(lambda lay, x: lay.unpad(x), self.plan.leaves, tree)
+
     @property
     def padding(self) -> bool:
         """Whether any leaf is stored padded."""

@@ -32,7 +32,7 @@ from .. import _spmd
 from .._contexts import Context
 from .._spmd import AXIS, Targets, sharding
 from .._transfer import place
-from ._accumulate import batch_gradient
+from ._accumulate import BlockSum, batch_gradient
 from ._precision import finite, in_precision, next_scale
 
 
@@ -107,6 +107,7 @@ def spmd_step(
         accumulate,
         groups,
         lambda tree: jax.lax.with_sharding_constraint(tree, split),
+        None if layout is None else BlockSum(layout.blocks, layout.lay, layout.own),
     )
 
     def step(params, opt_state, even, rest, key, alive=None, scale=None):

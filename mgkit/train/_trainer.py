@@ -11,6 +11,7 @@ import jax
 from .. import _progress
 from .._numbers import whole
 from .._oom import program_needs
+from .._profile import step_scope
 from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data
 from ._accumulate import check_rows
@@ -296,6 +297,7 @@ class Trainer(Checkpointing):
         sizes = shares(n, k, self._weights)
         return (place_parts(leaves, treedef, self.targets, sizes), sizes), sizes
 
+    @step_scope  # a step in a running mg.profile()
     def _dispatch(self, placed: tuple) -> StepOut:
         """Runs one step and keeps its results at once: nothing can come between the donation
         of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""

@@ -10,6 +10,7 @@ One module per view, over a shared base:
 ``_throughput``     ``ThroughputView``: samples per second and step time per context
 ``_launches``       ``LaunchView``: the ranks of the running or last ``mg.launch``
 ``_schedule``       ``Schedule``: the timeline of one pipeline or ensemble step
+``_profile``        ``ProfileView``: a profile's timeline per context (``mg.profile()``)
 ``_sharding``       ``ShardingView`` (``show_sharding``): which block of each leaf lives where
 ``_dashboard``      ``Dashboard``: the header, device map, transfers, throughput and launches
 ``_base``           ``LiveView`` and ``Plotted``, what every view shares
@@ -34,6 +35,8 @@ from ._memory import Band as Band
 from ._memory import MemoryNow as MemoryNow
 from ._memory import MemoryPoint as MemoryPoint
 from ._memory import MemoryView as MemoryView
+from ._profile import ProfileView as ProfileView
+from ._profile import show_profile as show_profile
 from ._schedule import Block as Block
 from ._schedule import Schedule as Schedule
 from ._sharding import ShardingView as ShardingView
@@ -52,9 +55,11 @@ __all__ = [
     "MemoryNow",
     "MemoryPoint",
     "MemoryView",
+    "ProfileView",
     "Schedule",
     "ShardingView",
     "ThroughputView",
     "TransferView",
+    "show_profile",
     "show_sharding",
 ]

@@ -27,7 +27,7 @@ _KIND_CHARS = {Kind.FORWARD: "F", Kind.BACKWARD: "B", Kind.UPDATE: "U"}
 _WIDTH = 72  # columns of the text timeline
 
 
-class _Key(NamedTuple):
+class Key(NamedTuple):
     """The key to one kind of block: how the text, the SVG and the PNG mark it."""
 
     char: str  # its character in the text timeline
@@ -182,12 +182,24 @@ class Schedule(LiveView):
     def _color(self, b: Block) -> str:
         return _KIND_COLORS.get(b.kind) or self._member_colors.get(b.label, _svg.PALETTE[0])
 
-    def _legend(self) -> list[_Key]:
+    def _char(self, b: Block, chars: dict[str, str]) -> str:
+        """A block's character in the text timeline (``chars``: member label -> its character)."""
+        return _KIND_CHARS.get(b.kind) or chars.get(b.label, "#")
+
+    def _tip(self, b: Block) -> str:
+        """What hovering over a block says."""
+        return f"{b.kind} {b.label} {b.seconds * 1e3:.3f} ms".replace("  ", " ")
+
+    def _block_text(self, b: Block, width: float) -> str:
+        """The text written inside a block ``width`` pixels wide (empty: none)."""
+        return b.label if b.label and width > 12 and b.kind != Kind.STEP else ""
+
+    def _legend(self) -> list[Key]:
         """The key to each kind of block drawn."""
         kinds = {b.kind for b in self.blocks}
-        out = [_Key(_KIND_CHARS[k], _KIND_COLORS[k], k) for k in _KIND_CHARS if k in kinds]
+        out = [Key(_KIND_CHARS[k], _KIND_COLORS[k], k) for k in _KIND_CHARS if k in kinds]
         for i, (label, color) in enumerate(self._member_colors.items()):
-            out.append(_Key(_member_char(i), color, f"step of {label}"))
+            out.append(Key(_member_char(i), color, f"step of {label}"))
         return out
 
     def text(self) -> str:
@@ -204,7 +216,7 @@ class Schedule(LiveView):
                     continue
                 lo = min(int(b.start * scale), _WIDTH - 1)
                 hi = max(lo + 1, min(round(b.end * scale), _WIDTH))
-                char = _KIND_CHARS.get(b.kind) or chars.get(b.label, "#")
+                char = self._char(b, chars)
                 for i in range(lo, hi):
                     cells[i] = char
             lines.append(f"{row.ljust(width)} |{''.join(cells)}| busy {self.busy[row]:.0%}")
@@ -242,16 +254,17 @@ class Schedule(LiveView):
                 if b.row != row:
                     continue
                 x, w = left + b.start * scale, max(b.seconds * scale, 0.8)
-                tip = f"{b.kind} {b.label} {b.seconds * 1e3:.3f} ms".replace("  ", " ")
+                tip = self._tip(b)
                 out.append(
                     f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" '
                     f'fill="{self._color(b)}" stroke="white" stroke-width="0.5">'
                     f"<title>{esc(tip)}</title></rect>"
                 )
-                if b.label and w > 12 and b.kind != Kind.STEP:
+                shown = self._block_text(b, w)
+                if shown:
                     out.append(
                         f'<text x="{x + w / 2:.1f}" y="{y + row_h / 2 + 3:.0f}" text-anchor="middle" '
-                        f'fill="white">{esc(b.label)}</text>'
+                        f'fill="white">{esc(shown)}</text>'
                     )
         y = top + row_h * len(self.rows) + 12
         out.append(f'<text x="{left}" y="{y}">0 ms</text>')
