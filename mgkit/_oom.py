@@ -35,10 +35,10 @@ class OutOfMemoryError(jax.errors.JaxRuntimeError):
 
 
 class Placed(NamedTuple):
-    """Which mgkit call placed an array."""
+    """What made an array, as the report says it."""
 
-    call: str  # the ledger kind of the call ("put", "transfer", "split", ...)
-    cell: int | None  # the notebook cell it ran in (None: outside IPython)
+    what: str  # the mgkit call that placed it ("mg.put"), or what it is ("the trainer's parameters")
+    cell: int | None  # the notebook cell it was placed in (None: outside IPython, or not known)
 
 
 class LiveArray(NamedTuple):
@@ -47,15 +47,15 @@ class LiveArray(NamedTuple):
     shape: tuple[int, ...]  # the array's whole shape
     dtype: str  # its dtype's name
     nbytes: int  # the bytes it holds on the device
-    placed: Placed | None  # the mgkit call that placed it (None: made otherwise)
+    placed: Placed | None  # what made it (None: not known: a computation, or jax directly)
 
 
 _PLACED: dict[int, tuple[weakref.ref, Placed]] = {}
 
 
-def note_placed(arrays: Sequence[Any], call: str, cell: int | None) -> None:
-    """Notes that ``arrays`` were placed by the mgkit call ``call`` in cell ``cell``."""
-    placed = Placed(call, cell)
+def note_placed(arrays: Sequence[Any], what: str, cell: int | None) -> None:
+    """Notes that ``arrays`` were placed by the mgkit call ``what`` ("mg.put") in cell ``cell``."""
+    placed = Placed(what, cell)
     for a in arrays:
         key = id(a)
         try:
@@ -90,8 +90,12 @@ def needed_bytes(text: str) -> int | None:
     return None
 
 
-def largest_live(devices: Sequence[jax.Device], top: int = TOP) -> dict[jax.Device, list[LiveArray]]:
-    """The ``top`` largest live arrays' parts on each of ``devices``, largest first."""
+def largest_live(
+    devices: Sequence[jax.Device], top: int = TOP, known: dict[int, str] | None = None
+) -> dict[jax.Device, list[LiveArray]]:
+    """The ``top`` largest live arrays' parts on each of ``devices``, largest first; ``known``
+    names some arrays by ``id`` ("the trainer's parameters"), the others by ``placed_by``."""
+    known = known or {}
     wanted = set(devices)
     heaps: dict[jax.Device, list] = {d: [] for d in wanted}
     for n, a in enumerate(jax.live_arrays()):
@@ -109,7 +113,12 @@ def largest_live(devices: Sequence[jax.Device], top: int = TOP) -> dict[jax.Devi
             (heapq.heappush if len(heap) < top else heapq.heappushpop)(heap, item)
     return {
         d: [
-            LiveArray(tuple(a.shape), str(a.dtype), nbytes, placed_by(a))
+            LiveArray(
+                tuple(a.shape),
+                str(a.dtype),
+                nbytes,
+                Placed(known[id(a)], None) if id(a) in known else placed_by(a),
+            )
             for nbytes, _, a in sorted(heaps[d], key=lambda item: (-item[0], item[1]))
         ]
         for d in devices
@@ -123,17 +132,20 @@ def mapped_contexts() -> list[tuple[str, jax.Device]]:
 
 def _array_line(a: LiveArray) -> str:
     shape = ",".join(map(str, a.shape))
-    made = "not placed by mgkit" if a.placed is None else f"placed by mg.{a.placed.call}"
-    if a.placed is not None and a.placed.cell is not None:
-        made += f" in In [{a.placed.cell}]"
+    made = "made by a computation" if a.placed is None else a.placed.what
+    if a.placed is not None and a.placed.what.startswith("mg."):
+        made = f"placed by {made}" + ("" if a.placed.cell is None else f" in In [{a.placed.cell}]")
     return f"    {a.dtype}[{shape}]  {human_bytes(a.nbytes)}  ({made})"
 
 
-def live_facts(contexts: Sequence[tuple[str, jax.Device]], top: int = TOP) -> str:
-    """Per context: its memory in use / limit and its largest live arrays, as indented lines."""
+def live_facts(
+    contexts: Sequence[tuple[str, jax.Device]], top: int = TOP, known: dict[int, str] | None = None
+) -> str:
+    """Per context: its memory in use / limit and its largest live arrays (``known``: names of
+    some, by ``id``), as indented lines."""
     devices = [d for _, d in contexts]
     usage = _devices.readings(devices)
-    largest = largest_live(devices, top)
+    largest = largest_live(devices, top, known)
     lines = ["the largest live arrays per context:"]
     for name, device in contexts:
         r = usage[device]
@@ -172,36 +184,50 @@ def state_facts(table: Any) -> str:
     return "\n".join(lines)
 
 
+class StepFacts(NamedTuple):
+    """What a trainer knows about its step, for the report (each read only when it is made)."""
+
+    state: Callable[[], Any]  # its MemoryTable: parameters, optimizer state and batch per context
+    needs: Callable[[], str | None]  # what its compiled step needs per device (None: not known)
+    known: Callable[[], dict[int, str]]  # names of its own arrays by ``id`` ("the trainer's parameters")
+
+
+def _step_lines(facts: StepFacts) -> tuple[str | None, dict[int, str], str]:
+    """(what the step needs, its arrays' names, its state in lines), each as far as readable."""
+    try:
+        needs, known = facts.needs(), facts.known()
+    except Exception:  # noqa: BLE001 - nothing more to say than the error itself
+        needs, known = None, {}
+    try:
+        state = state_facts(facts.state())
+    except Exception:  # noqa: BLE001 - the state was donated to the failed step: not readable
+        state = "the training state: not readable (given to the step that failed)"
+    return needs, known, state
+
+
 def report(
     where: str,
     error: BaseException,
     contexts: Sequence[tuple[str, jax.Device]],
     fixes: Sequence[str],
-    state: Callable[[], Any] | None = None,
-    needs: Callable[[], str | None] | None = None,
+    facts: StepFacts | None = None,
 ) -> OutOfMemoryError:
     """The ``OutOfMemoryError`` for ``error`` in the mgkit call ``where`` on ``contexts`` (name,
-    device): the error's first line, what the failing program needed (``needs()``: from its
-    compiled form, where given; and the allocation the error's text names), each context's
-    largest live arrays, a trainer's state (``state()``, its ``MemoryTable``, where given and
-    readable) and the ``fixes``."""
+    device): the error's first line, what the failing program needed (from a trainer's compiled
+    step, where ``facts`` are given; and the allocation the error's text names), each context's
+    largest live arrays, a trainer's state and the ``fixes``."""
     text = str(error)
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    needs, known, state = _step_lines(facts) if facts is not None else (None, {}, None)
     asked = needed_bytes(text)
-    said = [needs() if needs is not None else None]
-    said.append(f"the allocation that failed: {human_bytes(asked)}" if asked is not None else None)
-    need = "; ".join(x for x in said if x) or "not said by the error"
+    said = [needs, f"the allocation that failed: {human_bytes(asked)}" if asked is not None else None]
     lines = [
         f"{where}: a device ran out of memory ({first})",
-        f"the failing program needed: {need}",
-        live_facts(contexts),
+        "the failing program needed: " + ("; ".join(x for x in said if x) or "not said by the error"),
+        live_facts(contexts, known=known),
+        *([state] if state else []),
+        "fixes that apply: " + "; ".join(fixes),
     ]
-    if state is not None:
-        try:
-            lines.append(state_facts(state()))
-        except Exception:  # noqa: BLE001 - the state was donated to the failed step: not readable
-            lines.append("the trainer's state: not readable (given to the step that failed)")
-    lines.append("fixes that apply: " + "; ".join(fixes))
     return OutOfMemoryError("\n".join(lines))
 
 
@@ -210,10 +236,9 @@ def raise_if_out_of_memory(
     where: str,
     contexts: Sequence[tuple[str, jax.Device]],
     fixes: Sequence[str],
-    state: Callable[[], Any] | None = None,
-    needs: Callable[[], str | None] | None = None,
+    facts: StepFacts | None = None,
 ) -> None:
     """Raises the ``OutOfMemoryError`` report (from ``error``) when ``error`` is an
     out-of-memory error; else returns, and the caller re-raises ``error``."""
     if is_out_of_memory(error):
-        raise report(where, error, contexts, fixes, state, needs) from error
+        raise report(where, error, contexts, fixes, facts) from error

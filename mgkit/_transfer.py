@@ -229,7 +229,7 @@ def place(leaves: list, to: Context, kind: str, info: dict | None = None, privat
             except Exception as e:
                 raise_if_out_of_memory(e, f"mg.{kind}", [(to.name, device)], PUT_FIXES)
                 raise
-            note_placed(moved, kind, label)
+            note_placed(moved, f"mg.{kind}", label)
             seconds = 0.0
         for i, m in zip(idx, moved, strict=True):
             out[i] = m

@@ -54,6 +54,24 @@ def test_a_step_that_xla_cannot_allocate_is_reported_per_context(monkeypatch):
     del kept
 
 
+def test_a_step_refused_at_dispatch_names_the_trainers_own_arrays(monkeypatch):
+    tr = mg.Trainer(
+        _loss := lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.adam(1e-3), {"w": jnp.zeros((512, 256))}
+    )
+
+    def run(program, args, varying, info=None):  # refused before anything is donated
+        raise _exhausted("RESOURCE_EXHAUSTED: Out of memory allocating 524288 bytes.")
+
+    monkeypatch.setattr(tr._collectives, "run", run)
+    with pytest.raises(mg.OutOfMemoryError) as caught:
+        tr.fit({"x": np.ones((64, 512), np.float32)}, steps=1, batch_size=64, progress=False)
+    text = str(caught.value)
+    assert "    float32[512,256]  512.0 KiB  (the trainer's parameters)" in text
+    assert "    float32[512,256]  512.0 KiB  (its optimizer state)" in text
+    assert "the allocation that failed: 512.0 KiB" in text
+    assert re.search(r"  dev7: 512.0 KiB \+ 1.0 MiB \+ 16.0 KiB = 1.5 MiB / unknown", text)
+
+
 def test_a_parallel_call_that_runs_out_of_memory_is_reported(monkeypatch):
     def run(*args, **kwargs):
         raise _exhausted()
@@ -96,7 +114,7 @@ def test_a_put_that_runs_out_of_memory_names_its_context(monkeypatch):
 def test_mgkit_notes_which_call_placed_an_array_until_it_is_gone():
     a = mg.put(np.ones(3, np.float32), "dev1")
     b = mg.transfer(a, "dev2")
-    assert _oom.placed_by(a) == _oom.Placed("put", None) and _oom.placed_by(b).call == "transfer"
+    assert _oom.placed_by(a) == _oom.Placed("mg.put", None) and _oom.placed_by(b).what == "mg.transfer"
     assert _oom.placed_by(jnp.ones(3)) is None
     key = id(a)
     del a
@@ -139,7 +157,7 @@ def test_the_report_names_the_cell_that_placed_an_array():
     try:
         ip.run_cell("import numpy as np, mgkit as mg")
         result = ip.run_cell("kept = mg.put(np.ones((300, 1000), np.float32), 'dev6')", store_history=True)
-        assert _oom.placed_by(ip.user_ns["kept"]) == _oom.Placed("put", result.execution_count)
+        assert _oom.placed_by(ip.user_ns["kept"]) == _oom.Placed("mg.put", result.execution_count)
         facts = _oom.live_facts([("dev6", jax.devices()[6])])
         assert f"    float32[300,1000]  1.1 MiB  (placed by mg.put in In [{result.execution_count}])" in facts
     finally:

@@ -35,7 +35,7 @@ from typing import Any
 from .._beat import beat
 from .._contexts import Context
 from .._ledger import Kind, Layout, execution_label, ledger
-from .._oom import raise_if_out_of_memory
+from .._oom import StepFacts, raise_if_out_of_memory
 from ._history import History
 
 
@@ -178,8 +178,7 @@ class StepEvents:
         self, what: str, contexts: Sequence[Context], total: int | None, info: Mapping[str, Any] | None = None
     ):
         self.contexts = tuple(contexts)
-        self.state: Callable[[], Any] | None = None  # the trainer's MemoryTable, for an OOM report
-        self.needs: Callable[[], str | None] | None = None  # what its step needs, for that report
+        self.facts: StepFacts | None = None  # what the trainer knows, for an out-of-memory report
         nan = float("nan")
         self._info = {"what": what, "of": total, "models": 1, "grad": nan, "final": False, **(info or {})}
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -292,8 +291,7 @@ class Fit:
     ):
         self.where, self.total = where, total
         self.contexts = tuple(contexts)
-        self.state: Callable[[], Any] | None = None  # the trainer's MemoryTable, for an OOM report
-        self.needs: Callable[[], str | None] | None = None  # what its step needs, for that report
+        self.facts: StepFacts | None = None  # what the trainer knows, for an out-of-memory report
         self.history = History(tuple(c.name for c in contexts))
         self.events = StepEvents(where, contexts, total, info)
         self.bar = Bar(where, total, progress)
@@ -315,7 +313,7 @@ class Fit:
             raise
         except Exception as e:
             on = [(c.name, c.device) for c in self.contexts]
-            raise_if_out_of_memory(e, self.where, on, FIT_FIXES, self.state, self.needs)
+            raise_if_out_of_memory(e, self.where, on, FIT_FIXES, self.facts)
             raise
         finally:
             self.bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")
