@@ -55,9 +55,10 @@ def test_a_step_that_xla_cannot_allocate_is_reported_per_context(monkeypatch):
 
 
 def test_a_step_refused_at_dispatch_names_the_trainers_own_arrays(monkeypatch):
-    tr = mg.Trainer(
-        _loss := lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.adam(1e-3), {"w": jnp.zeros((512, 256))}
-    )
+    def loss(p, b):
+        return jnp.mean(b["x"] @ p["w"])
+
+    tr = mg.Trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((512, 256))})
 
     def run(program, args, varying, info=None):  # refused before anything is donated
         raise _exhausted("RESOURCE_EXHAUSTED: Out of memory allocating 524288 bytes.")
