@@ -14,6 +14,11 @@ machine with GPUs, ``d0..dN`` on them. The model is bench_train.py's MLP 784-256
                             (``mgkit._spmd.record_collectives(False)``), its fits alternating.
                             Goal <= 1.02.
 
+  (b) memory panel          Trainer throughput (steps per second) with an ``mg.Dashboard``
+                            (memory panel attached: ``dash.watch(tr)``, widgets refreshed
+                            live by the views' thread) / without any view. Goal >= 0.95.
+                            Also printed: the samples the memory panel took meanwhile and the
+                            views' thread's share of a core.
   (c) profile capture       Seconds ``with mg.profile(show=False)`` around 10 trainer steps
                             adds beyond the same 10 steps unprofiled: starting and stopping the
                             trace, writing it, reading it back into the timeline per context and
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -42,6 +48,7 @@ from bench_train import contexts_on_devices, loss_fn, mlp_init, timed
 
 import mgkit as mg
 from mgkit import _spmd
+from mgkit.views import _live
 
 
 def parse_args(argv):
@@ -99,11 +106,57 @@ def main(argv=None) -> int:
         "yes" if ratio <= 1.02 else "NO",
     ]
     print(table(headers, [row]))
+    print(
+        table(
+            ["case", "with", "without", "ratio", "paired [IQR]", "goal", "met"],
+            [dashboard_case(args, tr, data)],
+        )
+    )
     comm = tr.communication()
     print(f"reading the compiled step: {comm.seconds * 1e3:.2f} ms (once per program; goal < 50 ms)")
     print(comm)
     print(profile_overhead(tr, data, max(args.rounds // 2, 2)))
     return 0
+
+
+def dashboard_case(args, tr, data) -> list[str]:
+    """(b): steps per second with a live dashboard (memory panel watching the trainer) against
+    none, ABBA rounds; returns the table row."""
+
+    def fit(steps: int) -> None:
+        tr.fit(data, steps=steps, batch_size=256, progress=False)
+
+    rates: dict[str, list[float]] = {"with": [], "without": []}
+    samples, busy, wall = 0, 0.0, 0.0
+    fit(20)
+    for r in range(args.rounds):
+        for k in ("with", "without") if r % 2 == 0 else ("without", "with"):
+            dash = mg.Dashboard(rate=10, widget=True).watch(tr) if k == "with" else None
+            before, t0 = _live.REFRESHER.busy, time.perf_counter()
+            seconds = timed(lambda: fit(args.steps))
+            if dash is not None:
+                busy += _live.REFRESHER.busy - before
+                wall += time.perf_counter() - t0
+                samples += dash.memory.samples
+                dash.close()
+            rates[k].append(args.steps / seconds)
+        mg.ledger().clear()
+    paired = [a / b for a, b in zip(rates["with"], rates["without"], strict=True)]
+    ratio = median(rates["with"]) / median(rates["without"])
+    q = quartiles(paired)
+    print(
+        f"(b) the memory panel took {samples / max(args.rounds, 1):.1f} samples per fit of {args.steps} "
+        f"steps; the views' thread used {100 * busy / wall:.2f} % of a core"
+    )
+    return [
+        "(b) dashboard + memory",
+        f"{median(rates['with']):,.0f} steps/s",
+        f"{median(rates['without']):,.0f} steps/s",
+        f"{ratio:.3f}",
+        f"{median(paired):.3f} [{q[0]:.3f}-{q[1]:.3f}]",
+        ">= 0.95",
+        "yes" if ratio >= 0.95 else "NO",
+    ]
 
 
 def profile_overhead(tr: mg.Trainer, data: dict, rounds: int, steps: int = 10) -> str:

@@ -27,6 +27,7 @@ from ._errors import DeviceMismatchError as DeviceMismatchError
 from ._ledger import Event as Event
 from ._ledger import Ledger as Ledger
 from ._ledger import ledger as ledger
+from ._oom import OutOfMemoryError as OutOfMemoryError
 from ._parallel import Parallel as Parallel
 from ._parallel import UnboundAxisError as UnboundAxisError
 from ._parallel import concat as concat
@@ -79,6 +80,8 @@ __all__ = [
     "Ledger",
     "Member",
     "MemberError",
+    "MemoryView",
+    "OutOfMemoryError",
     "Parallel",
     "Pipeline",
     "PrecisionWarning",
@@ -129,6 +132,7 @@ _LAZY = {
     "Dashboard": ".views",
     "DeviceMap": ".views",
     "LaunchView": ".views",
+    "MemoryView": ".views",
     "ProfileView": ".views",
     "Schedule": ".views",
     "ShardingView": ".views",

@@ -272,28 +272,43 @@ def live_array_bytes() -> dict[jax.Device, int]:
     return held
 
 
-def memory_usage(
+class Reading(NamedTuple):
+    """One device's memory, read now."""
+
+    used: int | None  # bytes in use (None: not known)
+    peak: int | None  # the allocator's peak bytes in use since the process began (None: not reported)
+    limit: int | None  # the byte limit: the allocator's, or the one simulate(n, memory=...) gave
+    source: str | None  # where ``used`` comes from: ALLOCATOR or LIVE_ARRAYS
+
+
+def readings(
     devices: list[jax.Device], live: Callable[[], dict[jax.Device, int]] | None = None
-) -> dict[jax.Device, tuple[int | None, int | None, str | None]]:
-    """(bytes in use, byte limit, source) per device: the device's allocator statistics where it
-    reports them (source ``ALLOCATOR``), else the bytes of its live jax arrays with no limit
-    (source ``LIVE_ARRAYS``), against the limit ``simulate(n, memory=...)`` gave CPU devices if
-    any. ``live`` returns the live arrays' bytes per device (default
-    ``live_array_bytes``; a live view passes a cached one); it is called at most once, and only
-    when some device reports no statistics."""
-    out: dict[jax.Device, tuple[int | None, int | None, str | None]] = {}
+) -> dict[jax.Device, Reading]:
+    """A ``Reading`` per device: the device's allocator statistics where it reports them (source
+    ``ALLOCATOR``), else the bytes of its live jax arrays (source ``LIVE_ARRAYS``, no peak),
+    against the limit ``simulate(n, memory=...)`` gave CPU devices if any. ``live`` returns the
+    live arrays' bytes per device (default ``live_array_bytes``; a live view passes a cached
+    one); it is called at most once, and only when some device reports no statistics."""
+    out: dict[jax.Device, Reading] = {}
     held: dict[jax.Device, int] | None = None
     for device in devices:
         if device in out:
             continue
         used, limit = memory(device)
         if used is not None or limit is not None:
-            out[device] = (used, limit, ALLOCATOR)
+            out[device] = Reading(used, memory_stats(device).get("peak_bytes_in_use"), limit, ALLOCATOR)
             continue
         if held is None:
             held = (live or live_array_bytes)()
-        out[device] = (held.get(device, 0), memory_limit(device), LIVE_ARRAYS)
+        out[device] = Reading(held.get(device, 0), None, memory_limit(device), LIVE_ARRAYS)
     return out
+
+
+def memory_usage(
+    devices: list[jax.Device], live: Callable[[], dict[jax.Device, int]] | None = None
+) -> dict[jax.Device, tuple[int | None, int | None, str | None]]:
+    """(bytes in use, byte limit, source) per device, from ``readings``."""
+    return {d: (r.used, r.limit, r.source) for d, r in readings(devices, live).items()}
 
 
 def memory_text(used: int | None, limit: int | None, source: str | None) -> str:

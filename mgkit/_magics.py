@@ -18,7 +18,7 @@ import shlex
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from IPython.core.error import UsageError
@@ -28,6 +28,7 @@ from IPython.display import display
 from . import _contexts, _devices
 from ._errors import ContextError
 from ._ledger import Event, execution_label, ledger, short_label
+from ._peaks import Peak, PeakWatch
 from ._profile import profile
 from ._table import Table, human_bytes
 from ._transfer import synchronize
@@ -98,20 +99,35 @@ def context_table() -> ContextTable:
     return ContextTable(rows, title=f"context map {cmap}")
 
 
-class PeakReport(Table):
-    """What a ``%%mgkit_peak`` cell did, per context: the device's peak memory, bytes moved, wall time.
+class PeakRow(NamedTuple):
+    """One context in a ``%%mgkit_peak`` report."""
 
-    Rows are ``(context, device, peak_bytes, host_to_device, device_to_host, device_to_device)``:
-    bytes this context received from the host, sent to the host, and received from other contexts.
-    ``peak_bytes`` is the device's ``peak_bytes_in_use`` after the cell (None where the device does
-    not report memory, as on CPU); ``peak_raised`` names the devices whose peak the cell raised.
+    context: str  # the context's name
+    device: str  # its device's short name
+    peak: int | None  # the most bytes in use on the device within the cell (None: not known)
+    host_to_device: int  # bytes the context received from the host
+    device_to_host: int  # bytes it sent to the host
+    device_to_device: int  # bytes it received from other contexts
+    exact: bool  # True: the allocator's peak, raised by the cell; False: a lower bound
+    source: str | None  # where ``peak`` comes from: "allocator" or "live arrays"
+
+
+class PeakReport(Table):
+    """What a ``%%mgkit_peak`` cell did, per context: the most memory in use on its device within
+    the cell, bytes moved, wall time. Rows are ``PeakRow``s.
+
+    ``peak`` is exact where the device's allocator reports its peak and the cell raised it; else
+    it is a lower bound (JAX cannot reset the allocator's peak), marked ``>=``: the most in use
+    seen while the cell ran, from the allocator, or from the live arrays sampled in a thread
+    where the device reports no statistics (CPU; temporaries inside a compiled program are not
+    live arrays). ``peak_raised`` names the devices whose allocator peak the cell raised.
     """
 
     headers = ("context", "device", "peak memory", *DIRECTIONS)
 
     def __init__(
         self,
-        rows: Sequence[tuple],
+        rows: Sequence[PeakRow],
         seconds: float,
         moved: dict[str, tuple[int, int]],
         label: int | None,
@@ -123,16 +139,27 @@ class PeakReport(Table):
         self.peak_raised = peak_raised
         totals = ", ".join(f"{d} {human_bytes(b)} in {c} event(s)" for d, (c, b) in moved.items())
         cell = f"cell [{label}]" if label is not None else "cell"
-        super().__init__(rows, title=f"mgkit_peak: {cell} took {seconds:.3f} s wall; moved {totals}")
+        note = (
+            "\npeak: within the cell; >= a lower bound (the allocator's peak was not raised, or live "
+            "arrays sampled: temporaries inside compiled programs are not seen)"
+        )
+        super().__init__(rows, title=f"mgkit_peak: {cell} took {seconds:.3f} s wall; moved {totals}{note}")
 
     def _display_rows(self) -> list[tuple]:
         out = []
-        for name, dev, peak, *moved in self._rows:
-            if peak is None:
+        for r in self._rows:
+            if r.peak is None:
                 shown = "n/a"
+            elif r.exact:
+                shown = human_bytes(r.peak) + " (this cell)"
             else:
-                shown = human_bytes(peak) + (" (this cell)" if dev in self.peak_raised else "")
-            out.append((short_label(name), dev, shown, *(human_bytes(b) if b else "." for b in moved)))
+                shown = f">= {human_bytes(r.peak)}" + (
+                    " (live arrays)" if r.source == _devices.LIVE_ARRAYS else ""
+                )
+            moved = (r.host_to_device, r.device_to_host, r.device_to_device)
+            out.append(
+                (short_label(r.context), r.device, shown, *(human_bytes(b) if b else "." for b in moved))
+            )
         return out
 
 
@@ -161,10 +188,6 @@ class _Meter:
             self.moved[direction][1] += e.nbytes
             self.by_context.setdefault(name, [0, 0, 0])[column] += e.nbytes
             self.devices.setdefault(name, dev)
-
-
-def _peaks(devices: dict[str, jax.Device]) -> dict[str, int | None]:
-    return {short: _devices.memory_stats(d).get("peak_bytes_in_use") for short, d in devices.items()}
 
 
 def _mapped_devices() -> dict[str, jax.Device]:
@@ -316,9 +339,13 @@ class MgkitMagics(Magics):
 
           %%mgkit_peak
 
-        Per context: the device's peak memory in use after the cell (``peak_bytes_in_use``,
-        marked "(this cell)" when the cell raised it; "n/a" where the device does not report
-        memory, as CPU devices do not), the bytes it received from the host (host->device),
+        Per context: the most memory in use on its device within the cell. Where the device's
+        allocator reports its peak (GPUs, TPUs) and the cell raised it, that peak, marked "(this
+        cell)"; JAX cannot reset the peak, so where the cell did not raise it the figure is the
+        most in use seen while the cell ran, marked ">=" (a lower bound). Where the device
+        reports no statistics (CPU), the live jax arrays on it are summed in a thread while the
+        cell runs (">= ... (live arrays)": temporaries inside a compiled program are not seen).
+        Then the bytes it received from the host (host->device),
         sent to the host (device->host) and received from other contexts (device->device), from
         the ledger events the cell issued; and the cell's wall time, including the wait for the
         work it dispatched. The report is displayed (text, or a table in a notebook) and kept in
@@ -329,7 +356,7 @@ class MgkitMagics(Magics):
         if line.strip():
             raise UsageError(f"%%mgkit_peak takes no arguments, got {line.strip()!r}; usage: {_PEAK_USAGE}")
         __tracebackhide__ = True
-        before = _peaks(_mapped_devices())
+        watch = PeakWatch(list(_mapped_devices().values())).start()
         label = execution_label()
         meter = _Meter(time.time())
         unsubscribe = ledger().subscribe(meter)
@@ -341,7 +368,7 @@ class MgkitMagics(Magics):
             seconds = time.perf_counter() - t0
             ledger().flush()
             unsubscribe()
-            report = _peak_report(meter, before, seconds, label)
+            report = _peak_report(meter, watch.stop(), seconds, label)
             self.shell.user_ns["_mgkit_peak"] = report
             display(report)
         return value
@@ -433,19 +460,19 @@ def _profile_options(args: list[str]) -> tuple[str | None, bool]:
 
 
 def _peak_report(
-    meter: _Meter, before: dict[str, int | None], seconds: float, label: int | None
+    meter: _Meter, peaks: dict[jax.Device, Peak], seconds: float, label: int | None
 ) -> PeakReport:
-    devices = _mapped_devices()
-    after = _peaks(devices)
-    raised = frozenset(
-        d for d, p in after.items() if p is not None and before.get(d) is not None and p > before[d]
-    )
+    by_short = {_devices.short_name(d): p for d, p in peaks.items()}
+    raised = frozenset(d for d, p in by_short.items() if p.exact)
     cmap = _contexts.context_map()
     mapped = {n: _devices.short_name(d) for n, d in cmap.devices().items()}
     rows = []
+    unknown = Peak(None, False, None, 0)
     for name in [*mapped, *(n for n in meter.by_context if n not in mapped)]:
         dev = mapped[name] if name in mapped else meter.devices[name]
-        rows.append((name, dev, after.get(dev), *meter.by_context.get(name, (0, 0, 0))))
+        peak = by_short.get(dev, unknown)
+        moved = meter.by_context.get(name, (0, 0, 0))
+        rows.append(PeakRow(name, dev, peak.peak, *moved, peak.exact, peak.source))
     moved = {d: (c, b) for d, (c, b) in meter.moved.items()}
     return PeakReport(rows, seconds, moved, label, raised)
 

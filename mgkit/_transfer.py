@@ -17,6 +17,7 @@ from . import _contexts
 from ._contexts import HOST_CONTEXT, Context, resolve
 from ._errors import ContextError
 from ._ledger import Event, Kind, execution_label, ledger
+from ._oom import note_placed, raise_if_out_of_memory
 from ._static import held
 
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
@@ -184,6 +185,13 @@ def _through_host(value: Any, device: jax.Device) -> bool:
     return device.platform == "cpu" and len(sources) == 1 and next(iter(sources)).platform == "cpu"
 
 
+PUT_FIXES = (
+    "put the value on a context with more free memory",
+    "free what the context holds (del the largest arrays listed)",
+    "split the value over several contexts (mg.split)",
+)
+
+
 def place(leaves: list, to: Context, kind: str, info: dict | None = None, private: bool = False) -> list:
     """Moves a list of leaves to one context (``HOST_CONTEXT``: host numpy), one ledger event
     per source.
@@ -216,7 +224,12 @@ def place(leaves: list, to: Context, kind: str, info: dict | None = None, privat
             moved = [np.asarray(m) for m in jax.device_get(moving)]
             seconds = time.perf_counter() - t0
         else:
-            moved = to_devices(moving, [device] * len(moving), private)
+            try:
+                moved = to_devices(moving, [device] * len(moving), private)
+            except Exception as e:
+                raise_if_out_of_memory(e, f"mg.{kind}", [(to.name, device)], PUT_FIXES)
+                raise
+            note_placed(moved, f"mg.{kind}", label)
             seconds = 0.0
         for i, m in zip(idx, moved, strict=True):
             out[i] = m

@@ -377,6 +377,7 @@ def test_dashboard_combines_the_views_and_names_every_context():
     assert [c._dom_classes[-1] for c in box.children] == [
         "mgkit-header",
         "mgkit-devicemap",
+        "mgkit-memory",
         "mgkit-transfers",
         "mgkit-throughput",
     ]
@@ -476,7 +477,7 @@ def test_a_forgotten_view_is_collected_and_stops_following_the_ledger():
     led = Ledger()
     view = mg.Dashboard(ledger=led, widget=True)
     ref = weakref.ref(view)
-    assert _watching(led) == 2 and view in _live.REFRESHER._views
+    assert _watching(led) == 3 and view in _live.REFRESHER._views  # transfers, throughput, memory
     del view
     gc.collect()
     assert ref() is None and _watching(led) == 0

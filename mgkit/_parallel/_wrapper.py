@@ -14,9 +14,16 @@ import jax
 import numpy as np
 
 from .. import _contexts
+from .._oom import mapped_contexts, raise_if_out_of_memory
 from .._spmd import Batch, Cache, Targets, dtype_of, fn_name, is_abstract, resolve, shares
 from ._batch import call_batch, check_axes, check_in_axes, check_weights, hashable, slice_rows
 from ._calls import PlanKey, host_layout, make_plan, plans, run, run_dispatch
+
+PARALLEL_FIXES = (
+    "fewer rows per call (split the batch into chunks and call once per chunk)",
+    "more contexts, so each holds a smaller share (contexts=)",
+    "free what the contexts hold (del the largest arrays listed)",
+)
 
 
 class _Resolved(NamedTuple):
@@ -79,6 +86,17 @@ class Parallel:
         return self._call(args, kwargs, "parallel")
 
     def _call(self, args: tuple, kwargs: dict, where: str) -> Any:
+        """Runs a call (``_run``); an out-of-memory error becomes mgkit's report of what filled
+        the contexts (``OutOfMemoryError``)."""
+        try:
+            return self._run(args, kwargs, where)
+        except Exception as e:
+            last = self._last
+            on = [(c.name, c.device) for c in last.targets.contexts] if last is not None else None
+            raise_if_out_of_memory(e, f"mg.{where}", on or mapped_contexts(), PARALLEL_FIXES)
+            raise
+
+    def _run(self, args: tuple, kwargs: dict, where: str) -> Any:
         """Runs a call: its plan when one was left by a call laid out like it (see ``_calls``),
         else by splitting, running and concatenating, which leaves a plan when it can."""
         key = None

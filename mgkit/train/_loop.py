@@ -35,6 +35,7 @@ from typing import Any
 from .._beat import beat
 from .._contexts import Context
 from .._ledger import Kind, Layout, execution_label, ledger
+from .._oom import StepFacts, raise_if_out_of_memory
 from ._history import History
 
 
@@ -177,6 +178,7 @@ class StepEvents:
         self, what: str, contexts: Sequence[Context], total: int | None, info: Mapping[str, Any] | None = None
     ):
         self.contexts = tuple(contexts)
+        self.facts: StepFacts | None = None  # what the trainer knows, for an out-of-memory report
         nan = float("nan")
         self._info = {"what": what, "of": total, "models": 1, "grad": nan, "final": False, **(info or {})}
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -261,6 +263,13 @@ class Bar:
             self.bar = None
 
 
+FIT_FIXES = (
+    'shard="fsdp" (split the parameters and optimizer state over the contexts)',
+    "accumulate=k (each step in k smaller micro-batches, the same update)",
+    "a smaller batch_size",
+)
+
+
 class Fit:
     """One fit in progress: its ``History``, step events, progress bar and Ctrl-C.
 
@@ -281,6 +290,8 @@ class Fit:
         info: Mapping[str, Any] | None = None,
     ):
         self.where, self.total = where, total
+        self.contexts = tuple(contexts)
+        self.facts: StepFacts | None = None  # what the trainer knows, for an out-of-memory report
         self.history = History(tuple(c.name for c in contexts))
         self.events = StepEvents(where, contexts, total, info)
         self.bar = Bar(where, total, progress)
@@ -299,6 +310,10 @@ class Fit:
                 history.stopped = run_steps(take, dispatch, read, self.total, self.stop, late)
         except FloatingPointError:
             history.stopped = Stop.NAN
+            raise
+        except Exception as e:
+            on = [(c.name, c.device) for c in self.contexts]
+            raise_if_out_of_memory(e, self.where, on, FIT_FIXES, self.facts)
             raise
         finally:
             self.bar.close(len(history), lambda: f"loss {history.loss[-1]:.6g}" if len(history) else "")

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import _devices
 from .._numbers import nbytes
+from .._oom import live_facts, state_facts
 from .._spmd import Targets, resolve
 from .._table import Table, human_bytes
 from ._initial import param_shapes
@@ -231,7 +232,11 @@ def check_fits(plan_: Plan, optimizer: Any, targets: Targets, where: str) -> Non
         if not plan_.split
         else "split more leaves (rules), use more contexts, or a smaller model"
     )
-    raise ValueError(f"{where}: the training state does not fit: {table.over()}; {hint} (plan with mg.fits)")
+    facts = live_facts([(c.name, c.device) for c in targets.contexts])
+    raise ValueError(
+        f"{where}: the training state does not fit: {table.over()}; {hint} (plan with mg.fits)\n"
+        f"{state_facts(table)}\n{facts}"
+    )
 
 
 def live(targets: Targets, params: Any, opt_state: Any, batch_bytes: int = 0) -> MemoryTable:

@@ -10,6 +10,7 @@ import jax
 
 from .. import _progress
 from .._numbers import whole
+from .._oom import StepFacts, program_needs
 from .._profile import step_scope
 from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data
@@ -208,6 +209,18 @@ class Trainer(Checkpointing):
         """
         return live(self.targets, self._params, self._opt, self._batch_bytes)
 
+    def _own_arrays(self) -> dict[int, str]:
+        """Its parameters' and optimizer state's arrays by ``id``, named (for an OOM report)."""
+        names = {}
+        for tree, what in ((self._params, "the trainer's parameters"), (self._opt, "its optimizer state")):
+            names.update((id(x), what) for x in jax.tree_util.tree_leaves(tree))
+        return names
+
+    def _needs(self) -> str | None:
+        """What the last step's compiled program needs per device (for an out-of-memory report)."""
+        last = self._collectives.last if self._collectives is not None else None
+        return None if last is None or last.compiled is None else program_needs(last.compiled)
+
     @property
     def step_fn(self) -> Callable:
         """The compiled step, for a loop of one's own: ``step_fn(params, opt_state, batch,
@@ -396,6 +409,7 @@ class Trainer(Checkpointing):
         if resume and total is not None:
             total = max(total - self._step, 0)
         fit = Fit(where, self.targets.contexts, total, progress)
+        fit.facts = StepFacts(self.memory, self._needs, self._own_arrays)
         self.history = fit.history
         if total == 0:
             return fit.history

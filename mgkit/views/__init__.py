@@ -6,6 +6,7 @@ One module per view, over a shared base:
 ``_header``         ``Header``: versions, backend, devices, the context map
 ``_devicemap``      ``DeviceMap``: context -> device, memory in use, the current context
 ``_transfers``      ``TransferView``: the newest transfers, totals, a heatmap of bytes moved
+``_memory``         ``MemoryView``: bytes in use and peak per context over time, a trainer's bands
 ``_throughput``     ``ThroughputView``: samples per second and step time per context
 ``_launches``       ``LaunchView``: the ranks of the running or last ``mg.launch``
 ``_schedule``       ``Schedule``: the timeline of one pipeline or ensemble step
@@ -30,6 +31,10 @@ from ._devicemap import DeviceMap as DeviceMap
 from ._header import Header as Header
 from ._launches import LaunchRow as LaunchRow
 from ._launches import LaunchView as LaunchView
+from ._memory import Band as Band
+from ._memory import MemoryNow as MemoryNow
+from ._memory import MemoryPoint as MemoryPoint
+from ._memory import MemoryView as MemoryView
 from ._profile import ProfileView as ProfileView
 from ._profile import show_profile as show_profile
 from ._schedule import Block as Block
@@ -40,12 +45,16 @@ from ._throughput import ThroughputView as ThroughputView
 from ._transfers import TransferView as TransferView
 
 __all__ = [
+    "Band",
     "Block",
     "Dashboard",
     "DeviceMap",
     "Header",
     "LaunchRow",
     "LaunchView",
+    "MemoryNow",
+    "MemoryPoint",
+    "MemoryView",
     "ProfileView",
     "Schedule",
     "ShardingView",

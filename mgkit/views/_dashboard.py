@@ -1,5 +1,5 @@
-"""The dashboard: the header, device map, transfers and throughput in one view, and the launch
-table once there has been a launch."""
+"""The dashboard: the header, device map, memory over time, transfers and throughput in one view,
+and the launch table once there has been a launch."""
 
 from __future__ import annotations
 
@@ -11,13 +11,15 @@ from ._base import LiveView
 from ._devicemap import DeviceMap
 from ._header import Header
 from ._launches import LaunchView
+from ._memory import MemoryView
 from ._throughput import ThroughputView
 from ._transfers import TransferView
 
 
 class Dashboard(LiveView):
-    """The header, device map, transfers and throughput in one live widget (text elsewhere);
-    below them the ranks of the running or last ``mg.launch``, once there has been one.
+    """The header, device map, memory over time, transfers and throughput in one live widget
+    (text elsewhere); below them the ranks of the running or last ``mg.launch``, once there has
+    been one. ``dash.watch(trainer)`` draws a trainer's state as bands in the memory panel.
 
     Args:
       contexts: show only these contexts (default: all).
@@ -41,7 +43,7 @@ class Dashboard(LiveView):
 
     polls = True
     css_class = "mgkit-dashboard"
-    figsize = (11.0, 9.0)
+    figsize = (11.0, 11.0)
 
     def __init__(
         self,
@@ -57,11 +59,18 @@ class Dashboard(LiveView):
         mode = self._as_widget
         self.header = Header(rate=min(rate, 1.0), widget=mode, live=False)
         self.devices = DeviceMap(contexts, rate=min(rate, 2.0), widget=mode, live=False)
+        self.memory = MemoryView(contexts, min(rate, 4.0), ledger=self._ledger, widget=mode, live=False)
         self.transfers = TransferView(contexts, max_rows, rate, self._ledger, mode, live=False)
         self.throughput = ThroughputView(contexts, history, rate, self._ledger, mode, live=False)
         self.launches = LaunchView(rate=min(rate, 2.0), ledger=self._ledger, widget=mode, live=False)
-        self.views = (self.header, self.devices, self.transfers, self.throughput, self.launches)
+        self.views = (self.header, self.devices, self.memory, self.transfers, self.throughput, self.launches)
         self._start()
+
+    def watch(self, trainer: Any) -> Dashboard:
+        """Draws ``trainer``'s parameters, optimizer state and batch as bands in the memory panel
+        (``MemoryView.watch``); returns the dashboard."""
+        self.memory.watch(trainer)
+        return self
 
     def _shown(self) -> tuple[LiveView, ...]:
         """The views shown: the launch table only once there is a launch to show."""
@@ -103,9 +112,10 @@ class Dashboard(LiveView):
         return widgets.VBox([view.widget for view in self._shown()])
 
     def _draw_figure(self, fig: Any) -> None:
-        grid = fig.add_gridspec(3, 2, height_ratios=[1.3, 1, 1])
+        grid = fig.add_gridspec(4, 2, height_ratios=[1.3, 1, 1, 1])
         self.devices._draw(fig.add_subplot(grid[0, 0]))
         self.transfers._draw(fig.add_subplot(grid[0, 1]))
-        ax_rate = fig.add_subplot(grid[1, :])
-        self.throughput._draw(ax_rate, fig.add_subplot(grid[2, :], sharex=ax_rate))
+        self.memory._draw_total(fig.add_subplot(grid[1, :]))
+        ax_rate = fig.add_subplot(grid[2, :])
+        self.throughput._draw(ax_rate, fig.add_subplot(grid[3, :], sharex=ax_rate))
         fig.suptitle(self.header.text(), fontsize=8, family="monospace")

@@ -99,33 +99,52 @@ class Feed:
         kinds, exclude = self.kinds, self.exclude
         return [e for e in events if (e.kind in kinds) != exclude]
 
+    def skip(self) -> int:
+        """Drops the buffered entries without making their events (a view that only needs to
+        know that the ledger recorded something); returns how many there were."""
+        n = len(self.buffer)
+        for _ in range(n):
+            self.buffer.popleft()
+        return n
+
     def close(self) -> None:
         self._detach()
 
 
 class Throttled:
     """A costly reading (``fn()``) that live views share: taken again at most once per
-    ``period`` seconds, and after a reading that used ``c`` seconds of CPU time not before
-    ``c / share`` seconds, so it takes at most ``share`` of a core; in between, the last value."""
+    ``period`` seconds (or ``age``, where a caller asks for fresher values), and after a reading
+    that used ``c`` seconds of CPU time not before ``c / share`` seconds, so it takes at most
+    ``share`` of a core however often it is asked for; in between, the last value."""
 
     def __init__(self, fn: Callable[[], Any], period: float, share: float):
         self.fn, self.period, self.share = fn, period, share
         self._lock = threading.Lock()
         self._value: Any = None
-        self._next = 0.0
+        self._taken = 0.0  # when the last reading was taken (time.monotonic)
+        self._next = 0.0  # the budget's earliest time for the next reading
         self.readings = 0
+        self.busy = 0.0  # CPU seconds the readings took, in all
 
-    def __call__(self, fresh: bool = False) -> Any:
-        """The value: a new reading when ``fresh`` or when one is due, else the last one."""
+    def __call__(self, fresh: bool = False, age: float | None = None) -> Any:
+        """The value: a new reading when ``fresh`` or when one is due (older than ``age``,
+        default ``period``, and the budget allows), else the last one."""
         with self._lock:
             now = time.monotonic()
-            if fresh or self.readings == 0 or now >= self._next:
+            due = now >= self._taken + (self.period if age is None else age) and now >= self._next
+            if fresh or self.readings == 0 or due:
                 t0 = time.thread_time()
                 self._value = self.fn()
                 cost = time.thread_time() - t0
-                self._next = now + max(self.period, cost / self.share)
+                self._taken, self._next = now, now + cost / self.share
                 self.readings += 1
+                self.busy += cost
             return self._value
+
+    @property
+    def taken(self) -> float:
+        """When the value was read (``time.monotonic``; 0 before the first reading)."""
+        return self._taken
 
 
 class CompileClock:
