@@ -332,7 +332,9 @@ def where(tree: Any) -> str | dict:
 def synchronize(ctx: str | jax.Device | None = None) -> None:
     """Waits for all work dispatched on every context, or on one (a barrier before timing or reading results).
 
-    Also waits until every copy in flight is recorded in the ledger.
+    Also waits until every copy in flight is recorded in the ledger. Arrays whose computation
+    failed (a program that ran out of memory) already raised their error where they were
+    read: they are waited for, not raised again.
     """
     if ctx is None:
         targets = None
@@ -350,6 +352,13 @@ def synchronize(ctx: str | jax.Device | None = None) -> None:
                 pending.append(arr)
         except RuntimeError:  # deleted between the listing and the check
             continue
-    jax.block_until_ready(pending)
+    try:
+        jax.block_until_ready(pending)
+    except Exception:  # noqa: BLE001 - an array holds a failed computation's error: wait for the rest
+        for arr in pending:
+            try:
+                arr.block_until_ready()
+            except Exception:  # noqa: BLE001 - its error was raised where it was computed
+                continue
     if ctx is None:
         ledger().flush()
