@@ -3,9 +3,11 @@
 The test writes a notebook into a temporary root, starts JupyterLab on 127.0.0.1 (a free port, a
 token, its own config, data, runtime and IPython folders, so nothing of the user's is read or
 written), opens the notebook and runs every cell. While the last cell still runs a loop of
-transfers and parallel calls, it reads the dashboard twice: its transfer count must grow and its
-throughput plot must redraw at least twice before the loop ends. The loop ends when the test
-writes a stop file (or after a bound), so a slow machine makes the test wait, not fail.
+transfers, parallel calls and trainer steps, it reads the dashboard until its transfer count grew,
+its throughput plot redrew twice, its memory panel (with the watched trainer's bands) changed and
+the collectives of the trainer's step appeared among the transfers, all before the loop ends. The
+loop ends when the test writes a stop file (or after a bound), so a slow machine makes the test
+wait, not fail.
 """
 
 import json
@@ -63,6 +65,7 @@ import pathlib
 import time
 
 import jax.numpy as jnp
+import optax
 
 stop = pathlib.Path({STOP_FILE!r})
 names = list(mg.context_map().names)
@@ -70,11 +73,15 @@ x = mg.put(np.ones((256, 256), np.float32), names[0])
 layer = mg.parallel(lambda v: jnp.tanh(v) * 2)
 batch = np.ones((4096, 64), np.float32)
 layer(batch).block_until_ready()  # compiled before the loop
+tr = mg.Trainer(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.01), {{"w": jnp.ones((64, 8))}})
+dash.watch(tr)
+tr.fit(batch[:256], steps=1, progress=False)  # compiled before the loop
 print("loop started", flush=True)
 t0, rounds = time.perf_counter(), 0
 while not stop.exists() and time.perf_counter() - t0 < {LOOP_SECONDS}:
     x = mg.transfer(x, names[(rounds + 1) % len(names)])
     layer(batch).block_until_ready()
+    tr.fit(batch[:256], steps=1, progress=False)
     rounds += 1
     time.sleep(0.02)
 print(f"loop done after {{rounds}} rounds", flush=True)""",
@@ -89,6 +96,8 @@ READ_PAGE = """() => {
     dashboard: text(document.querySelector('.mgkit-dashboard')),
     transfers: text(document.querySelector('.mgkit-dashboard .mgkit-transfers')),
     throughput: text(document.querySelector('.mgkit-dashboard .mgkit-throughput')),
+    memory: text(document.querySelector('.mgkit-dashboard .mgkit-memory')),
+    memory_svg: (document.querySelector('.mgkit-dashboard .mgkit-memory svg') || {}).innerHTML || null,
     prompt: loop ? text(loop.querySelector('.jp-InputPrompt')) : null,
     output: loop ? text(loop.querySelector('.jp-OutputArea')) || '' : '',
   };
@@ -262,6 +271,7 @@ def test_dashboard_updates_live_in_jupyterlab(lab, tmp_path):
                 assert name in first["dashboard"], f"context {name!r} not shown by the dashboard"
             assert first["count"] is not None, f"no 'transfers: N' in the dashboard: {first['transfers']!r}"
             assert first["redraws"] is not None, f"no 'redraws: N' in the dashboard: {first['throughput']!r}"
+            assert first["memory"], "no memory panel (class mgkit-memory) in the dashboard"
 
             # Read again until the count grew and the plot redrew twice, every look while the loop runs.
             later = first
@@ -271,7 +281,12 @@ def test_dashboard_updates_live_in_jupyterlab(lab, tmp_path):
                 later = look()
                 if not later["busy"]:
                     break
-                if later["count"] > first["count"] and later["redraws"] >= first["redraws"] + 2:
+                if (
+                    later["count"] > first["count"]
+                    and later["redraws"] >= first["redraws"] + 2
+                    and later["memory_svg"] not in (None, first["memory_svg"])
+                    and "collective" in (later["transfers"] or "")
+                ):
                     page.screenshot(path=str(screenshot), full_page=True)
                     break
             assert later["busy"], f"the loop ended before the test stopped it: {later['output']!r}"
@@ -280,6 +295,12 @@ def test_dashboard_updates_live_in_jupyterlab(lab, tmp_path):
             )
             assert later["redraws"] >= first["redraws"] + 2, (
                 f"throughput plot redrew {later['redraws'] - first['redraws']} time(s) while the loop ran"
+            )
+            assert later["memory_svg"] not in (None, first["memory_svg"]), "the memory panel did not change"
+            bands = later["memory"] or ""
+            assert "parameters" in bands, f"no watched trainer's bands in the memory panel: {bands!r}"
+            assert "collective" in later["transfers"], (
+                f"the trainer step's collectives are not among the transfers: {later['transfers']!r}"
             )
 
             (lab.root / STOP_FILE).write_text("")
