@@ -172,6 +172,8 @@ EXPECTED_OUTPUT = {
         "the failing program needed: 2.0 TiB per device",
         "(placed by mg.put in In [",
         'fixes that apply: shard="fsdp"',
+        "Trainer: the training state does not fit: dev0 needs 3.0 GiB (parameters 1.0 GiB",
+        "  dev1: 1.0 GiB + 2.0 GiB + 0 B = 3.0 GiB / 1.0 GiB",
         "mgkit profile: 0.",
         "trace kept at",
         "mgkit profile: steps 11..20 on 8 context(s)",
