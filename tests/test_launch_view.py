@@ -194,7 +194,7 @@ def test_a_view_made_after_a_launch_reads_its_ranks_from_the_ledger():
 def test_dashboard_shows_a_launch_row_only_once_there_is_a_launch(running):
     running(None)
     dash = mg.Dashboard(widget=True, live=False)
-    assert len(dash.widget.children) == 4 and "mgkit launch" not in repr(dash)
+    assert len(dash.widget.children) == 5 and "mgkit launch" not in repr(dash)
     assert "mgkit launch" not in dash._repr_mimebundle_()["text/plain"]
     ranks = _four()
     running(ranks)
@@ -204,7 +204,7 @@ def test_dashboard_shows_a_launch_row_only_once_there_is_a_launch(running):
     assert "mgkit launch: 4 rank(s) running" in repr(dash) and "running step 7" in dash.html()
     running(None)
     dash.refresh()
-    assert len(dash.widget.children) == 5 and "mgkit launch: last launch" in repr(dash)
+    assert len(dash.widget.children) == 6 and "mgkit launch: last launch" in repr(dash)
     dash.close()
     assert dash.launches.closed
     text = mg.Dashboard(widget=False)
