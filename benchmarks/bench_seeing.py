@@ -161,8 +161,11 @@ def dashboard_case(args, tr, data) -> list[str]:
 
 def profile_overhead(tr: mg.Trainer, data: dict, rounds: int, steps: int = 10) -> str:
     """(c): seconds a profile of ``steps`` trainer steps adds, read back and drawn, beyond the steps."""
-    folder = tempfile.mkdtemp(prefix="bench-seeing-profiles-")
+    with tempfile.TemporaryDirectory(prefix="bench-seeing-profiles-") as folder:  # traces not kept
+        return _profile_overhead(tr, data, rounds, steps, folder)
 
+
+def _profile_overhead(tr: mg.Trainer, data: dict, rounds: int, steps: int, folder: str) -> str:
     def plain() -> None:
         tr.fit(data, steps=steps, batch_size=256, progress=False)
 
