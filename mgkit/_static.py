@@ -60,12 +60,6 @@ class Model:
         arrays = [x if a else None for x, a in zip(leaves, self._mask, strict=True)]
         self.arrays = tree if self.plain else jax.tree_util.tree_unflatten(self._treedef, arrays)
 
-    @property
-    def static(self) -> dict[str, Any]:
-        """The leaves held static, by path (``.layers[0].activation`` -> the function)."""
-        paths = jax.tree_util.tree_flatten_with_path(self.join(self.arrays))[0]
-        return {jax.tree_util.keystr(p): x for (p, x), a in zip(paths, self._mask, strict=True) if not a}
-
     def join(self, arrays: Any) -> Any:
         """The model with ``arrays`` (a tree like :attr:`arrays`) and the leaves held static."""
         if self.plain:
@@ -146,20 +140,13 @@ class _Held:
             self._key = (type(value), id(value))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Held) and _same_key(self._key, other._key)
+        return isinstance(other, _Held) and _same(self._key, other._key)
 
     def __hash__(self) -> int:
         return hash(self._key)
 
     def __repr__(self) -> str:
         return f"static({self.value!r:.40})"
-
-
-def _same_key(a: tuple, b: tuple) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values whose == fails are different values
-        return False
 
 
 class _Static:

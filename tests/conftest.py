@@ -5,6 +5,7 @@ simulated devices that CI has); GPU figures come from benchmarks/. Set MGKIT_TES
 to let JAX see the accelerators as well (tests that assume a CPU-only machine then fail).
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,3 +52,18 @@ def run_python(code: str, env: dict | None = None, timeout: float = 120) -> subp
         env=full_env,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def ipython_shell():
+    """A fresh IPython shell (history in memory, nothing of the user's read), cleared after: the
+    magics' tests run their cells in it."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    try:
+        yield InteractiveShell.instance(config=config)
+    finally:
+        InteractiveShell.clear_instance()

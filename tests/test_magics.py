@@ -5,26 +5,19 @@ import re
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
-from traitlets.config import Config
 
 import mgkit as mg
 from mgkit import _devices, _magics
-from tests.conftest import run_python
+from tests.conftest import ipython_shell, run_python
 
 
 @pytest.fixture(scope="module")
 def shell():
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    ip = InteractiveShell.instance(config=config)
-    try:
+    with ipython_shell() as ip:
         ok(ip, "%load_ext mgkit")
         ok(ip, "import numpy as np, jax.numpy as jnp, mgkit as mg")
         yield ip
-    finally:
-        InteractiveShell.clear_instance()
 
 
 @pytest.fixture(autouse=True)

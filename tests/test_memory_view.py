@@ -8,14 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
-from traitlets.config import Config
 
 import mgkit as mg
 from mgkit import _devices
 from mgkit.views import _live
 from mgkit.views._devicemap import LIVE_BYTES
+from tests.conftest import ipython_shell
 
 MB4 = 4_000_000  # a float32[1000, 1000]
 
@@ -226,14 +225,9 @@ def test_a_closed_view_watches_nothing():
 
 @pytest.fixture(scope="module")
 def shell():
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    ip = InteractiveShell.instance(config=config)
-    try:
+    with ipython_shell() as ip:
         ip.run_cell("%load_ext mgkit\nimport time, numpy as np, mgkit as mg")
         yield ip
-    finally:
-        InteractiveShell.clear_instance()
 
 
 def test_the_peak_within_a_cell_counts_arrays_freed_before_it_ended(shell):

@@ -9,13 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
 import mgkit as mg
 from mgkit import _devices, _oom, _transfer
 from mgkit._parallel import _wrapper
 from mgkit.train import _memory
+from tests.conftest import ipython_shell
 
 
 def _exhausted(text="RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.50GiB."):
@@ -152,17 +151,12 @@ def test_what_the_program_needed_is_read_from_the_error(text, oom, needed):
 
 
 def test_the_report_names_the_cell_that_placed_an_array():
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    ip = InteractiveShell.instance(config=config)
-    try:
+    with ipython_shell() as ip:
         ip.run_cell("import numpy as np, mgkit as mg")
         result = ip.run_cell("kept = mg.put(np.ones((300, 1000), np.float32), 'dev6')", store_history=True)
         assert _oom.placed_by(ip.user_ns["kept"]) == _oom.Placed("mg.put", result.execution_count)
         facts = _oom.live_facts([("dev6", jax.devices()[6])])
         assert f"    float32[300,1000]  1.1 MiB  (placed by mg.put in In [{result.execution_count}])" in facts
-    finally:
-        InteractiveShell.clear_instance()
 
 
 def test_after_a_real_out_of_memory_error_the_kit_goes_on():
