@@ -202,8 +202,9 @@ def test_notebooks_exist():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.setenv("MGKIT_SIMULATE", "8")  # the kernel inherits the test's environment
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # what a notebook keeps in temp (a profile's trace) goes too
     monkeypatch.delenv("MGKIT_CONTEXTS", raising=False)
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
