@@ -159,7 +159,7 @@ def test_the_report_names_the_cell_that_placed_an_array():
         assert f"    float32[300,1000]  1.1 MiB  (placed by mg.put in In [{result.execution_count}])" in facts
 
 
-def test_after_a_real_out_of_memory_error_the_kit_goes_on():
+def test_after_a_real_out_of_memory_error_the_kit_goes_on(tmp_path):
     def loss(p, b):
         big = jnp.cumsum(jnp.full((1 << 38,), b["x"].sum()))  # a 1 TiB temporary: XLA refuses it
         return jnp.mean((b["x"] @ p["w"]) ** 2) + big[-1] * 0
@@ -168,6 +168,6 @@ def test_after_a_real_out_of_memory_error_the_kit_goes_on():
     with pytest.raises(mg.OutOfMemoryError):
         tr.fit({"x": np.ones((64, 16), np.float32)}, steps=1, batch_size=32, progress=False)
     mg.synchronize()  # the failed step's outputs hold its error: waited for, not raised again
-    with mg.profile(show=False) as prof:
+    with mg.profile(tmp_path, show=False) as prof:
         float(mg.put(np.ones(3), "dev0").sum())
     assert prof.trace is not None
