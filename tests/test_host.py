@@ -1,0 +1,30 @@
+"""A split array read to the host shard by shard (``mgkit._spmd.to_host``)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mgkit._spmd import to_host
+
+
+@pytest.mark.parametrize("spec", [P("a"), P(None, "b"), P("a", "b"), P(), P(("a", "b"))])
+@pytest.mark.parametrize("shape", [(1001, 13), (1008, 16), (1, 1), (0, 16)])
+def test_leading_block_of_any_layout(spec, shape):
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+    ref = np.arange(1008 * 16, dtype=np.float32).reshape(1008, 16)
+    x = jax.device_put(ref, NamedSharding(mesh, spec))
+    got = to_host(x, shape)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, ref[: shape[0], : shape[1]])
+
+
+def test_whole_array_and_scalar():
+    np.testing.assert_array_equal(to_host(jax.numpy.arange(5)), np.arange(5))
+    assert to_host(jax.numpy.float32(3.0)) == 3.0
+
+
+def test_a_shape_past_the_array_is_refused():
+    with pytest.raises(ValueError, match=r"shape \(7,\) is not a leading block of the array's \(5,\)"):
+        to_host(jax.numpy.arange(5), (7,))
