@@ -265,6 +265,8 @@ def _python_number_cases():
     model = _Scaled(eqx.nn.Linear(3, 2, key=jax.random.key(0)), 2.0)
     return [
         ("Trainer", lambda: mg.Trainer(_loss, optax.sgd(0.1), model)),
+        ("Trainer", lambda: mg.Trainer(_loss, optax.sgd(0.1), lambda: model)),  # made by a function
+        ("fits", lambda: mg.fits(lambda: model, optax.sgd(0.1))),
         ("Member", lambda: mg.Member(_loss, optax.sgd(0.1), model, data=_data())),
         (
             r"Pipeline: stage 0",
@@ -279,7 +281,7 @@ def test_a_python_number_leaf_asks_parameter_or_constant(where, make):
         make()
     text = str(info.value)
     assert text.startswith(where)
-    assert "leaf .scale is a Python float (2.0): is it a parameter or a constant?" in text
+    assert "leaf .scale is a Python float (2.0): is it a parameter or a constant?" in text, text
     assert "jnp.asarray(2.0, jnp.float32)" in text and "eqx.field(static=True)" in text
 
 

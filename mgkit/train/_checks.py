@@ -39,6 +39,23 @@ def check_optimizer(optimizer: Any, where: str) -> optax.GradientTransformation:
     return optimizer
 
 
+def is_python_number(leaf: Any) -> bool:
+    """Whether a leaf is a Python number (``2.0``, ``True``), not an array nor a numpy scalar."""
+    return isinstance(leaf, numbers.Number) and not isinstance(leaf, np.generic)
+
+
+def check_not_number(leaf: Any, name: str, where: str, what: str = "params") -> None:
+    """Refuses a Python number leaf (``name``: its path) of a model: nothing says whether it is a
+    parameter or a constant."""
+    if is_python_number(leaf):
+        raise TypeError(
+            f"{where}: {what} leaf {name} is a Python {type(leaf).__name__} ({leaf!r}): is it a "
+            f"parameter or a constant? To train it, make it an array, e.g. jnp.asarray({leaf!r}, "
+            "jnp.float32); to hold it fixed, mark it static (eqx.field(static=True) in an Equinox "
+            "module) or close over it in the function instead of keeping it in the model"
+        )
+
+
 def check_params(params: Any, where: str, what: str = "params") -> Model:
     """The model ``params`` as a trainer holds it (``Model``): its array leaves, each floating
     point and at least one, are trained; its other leaves (functions, strings, other objects:
@@ -47,13 +64,7 @@ def check_params(params: Any, where: str, what: str = "params") -> Model:
     arrays, held = 0, []
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = jax.tree_util.keystr(path) or "(the params themselves)"
-        if isinstance(leaf, numbers.Number) and not isinstance(leaf, np.generic):
-            raise TypeError(
-                f"{where}: {what} leaf {name} is a Python {type(leaf).__name__} ({leaf!r}): is it a "
-                f"parameter or a constant? To train it, make it an array, e.g. jnp.asarray({leaf!r}, "
-                "jnp.float32); to hold it fixed, mark it static (eqx.field(static=True) in an Equinox "
-                "module) or close over it in the function instead of keeping it in the model"
-            )
+        check_not_number(leaf, name, where, what)
         if not is_array(leaf):
             held.append(f"{name} ({describe(leaf)})")
             continue

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from .._static import Model, held
-from ._checks import check_params
+from ._checks import check_not_number, check_params, is_python_number
 from ._step import copied
 
 
@@ -54,13 +54,26 @@ def initial(params: Any, where: str) -> Initial:
             f"{where}: params is a function {name}({', '.join(needed)}) that takes arguments; give a "
             f"function of no arguments that makes the parameters, e.g. lambda: {call}(jax.random.key(0))"
         )
+    numbers_: list = []  # the Python numbers among its leaves (eval_shape would make them arrays)
+
+    def shaped() -> Any:
+        made = params()
+        numbers_.extend(
+            (jax.tree_util.keystr(path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(made)[0]
+            if is_python_number(leaf)
+        )
+        return held(made)  # a module's functions ride in its structure
+
     try:
-        shapes = jax.eval_shape(lambda: held(params()))  # a module's functions ride in its structure
+        shapes = jax.eval_shape(shaped)
     except TypeError as e:
         raise TypeError(
             f"{where}: params is a function {name}() whose result is not a pytree of arrays ({e}); "
             "return the parameters, e.g. {'w': jnp.zeros((784, 100))}"
         ) from None
+    for path, leaf in numbers_:  # refused as the same number given directly is
+        check_not_number(leaf, path or "(the params themselves)", where, f"what {name}() returns")
     model = check_params(shapes, where, f"what {name}() returns")
     return Initial(model, model.arrays, lambda: Model(params()).arrays)
 
