@@ -1,8 +1,11 @@
-"""Reading a split array to the host one shard at a time, its padding left out: no device ever
-holds more than the shard it already has (``jax.device_get`` of a leaf that cannot be split
-evenly would otherwise need it whole somewhere first)."""
+"""Split arrays to and from the host one shard at a time: ``to_host`` reads one, its padding left
+out, and no device ever holds more than the shard it already has (``jax.device_get`` of a leaf
+that cannot be split evenly would otherwise need it whole somewhere first); ``from_host`` places
+a numpy array padded and split, each device receiving only its own shard."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import numpy as np
@@ -45,3 +48,39 @@ def to_host(x: jax.Array, shape: tuple[int, ...] | None = None) -> np.ndarray:
         local = tuple(slice(0, w.stop - w.start) for w in want)
         out[want] = np.asarray(shard.data)[local]  # the shard to the host, then its part
     return out
+
+
+def from_host(x: Any, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` (a numpy array) as the leading block of a new array of ``shape`` laid out by
+    ``sharding``, zeros past it: each device receives its own shard, cut from ``x`` and padded
+    on the host, so neither any device nor the host holds the padded array whole.
+
+    >>> import jax, numpy as np
+    >>> one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> from_host(np.ones((2, 2), np.float32), (3, 2), one).tolist()
+    [[1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+
+    Args:
+      x: a numpy array (or a scalar), at most ``shape`` along each axis.
+      shape: the stored shape (``x.shape`` padded along its split axes).
+      sharding: how the stored array lies on the devices.
+
+    Returns:
+      A jax array of ``shape`` with ``x``'s dtype as JAX holds it (float64 as float32 unless
+      64-bit mode is on).
+    """
+    x = np.asarray(x)
+    shape = tuple(shape)
+    if x.ndim != len(shape) or any(s > d for s, d in zip(x.shape, shape, strict=True)):
+        raise ValueError(f"from_host: the array's {x.shape} is not a leading block of {shape}")
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+
+    def block(index: tuple) -> np.ndarray:
+        bounds = [sl.indices(d)[:2] for sl, d in zip(index, shape, strict=True)]
+        out = np.zeros([stop - start for start, stop in bounds], dtype)
+        have = tuple(slice(start, min(stop, s)) for (start, stop), s in zip(bounds, x.shape, strict=True))
+        if all(h.start < h.stop for h in have):
+            out[tuple(slice(0, h.stop - h.start) for h in have)] = x[have]
+        return out
+
+    return jax.make_array_from_callback(shape, sharding, block)
