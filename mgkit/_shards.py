@@ -1,7 +1,9 @@
 """Where the blocks of sharded arrays live: for each leaf of a pytree of jax arrays or shapes with
 shardings (``jax.ShapeDtypeStruct(..., sharding=...)``, what ``jax.eval_shape`` returns for a
 function jitted with ``out_shardings``), which block of it each context holds, and the bytes each
-context stores.
+context stores. A numpy leaf lives on the host: no context holds any of it. Leaves that are
+neither arrays nor numbers (an Equinox module's activation) are held static and skipped, as
+``mgkit._static`` says.
 
 Computed from the shape and the sharding only: no array's data is read or moved. A
 ``NamedSharding``'s blocks come from its mesh's shape and its ``PartitionSpec``, so an abstract
@@ -21,9 +23,11 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 
 from . import _contexts
+from ._static import describe, is_static
 from ._transfer import leaf_paths
 
 WHERE = "mg.show_sharding"
+HOST = "on the host (numpy)"  # where a numpy leaf lives (its ``Layout.sharding``)
 _EXAMPLE = (
     "e.g. jax.device_put(x, NamedSharding(mesh, P('x'))), or jax.ShapeDtypeStruct(shape, dtype, "
     "sharding=NamedSharding(mesh, P('x')))"
@@ -72,8 +76,8 @@ class Layout(NamedTuple):
 
     @property
     def shard_bytes(self) -> int:
-        """The bytes each device stores for the leaf: one block, padded to ``shard``."""
-        return math.prod(self.shard) * self.dtype.itemsize
+        """The bytes each device stores for the leaf: one block, padded to ``shard`` (0: on the host)."""
+        return math.prod(self.shard) * self.dtype.itemsize if self.places else 0
 
     @property
     def copies(self) -> int:
@@ -101,9 +105,10 @@ class ContextBytes(NamedTuple):
 
 
 def layouts(tree: Any, where: str = WHERE) -> list[Layout]:
-    """The ``Layout`` of every leaf of ``tree``: jax arrays, or ``jax.ShapeDtypeStruct`` with a
-    sharding. Raises TypeError naming a leaf that is neither, ValueError for one without a
-    sharding; ``where`` names the caller in the messages.
+    """The ``Layout`` of every leaf of ``tree``: jax arrays, ``jax.ShapeDtypeStruct`` with a
+    sharding, or numpy arrays (on the host: no places); leaves held static (functions, strings:
+    ``mgkit._static.is_static``) are skipped. Raises TypeError naming any other leaf (a Python
+    number), ValueError for a shape without a sharding; ``where`` names the caller in the messages.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
@@ -112,15 +117,21 @@ def layouts(tree: Any, where: str = WHERE) -> list[Layout]:
     >>> lay.parts, lay.shard, lay.padded, [b.stop for b in lay.blocks]
     ((4,), (3,), (0,), [(3,), (6,), (9,), (10,)])
     """
-    leaves = jax.tree_util.tree_leaves(tree)
-    if not leaves:
+    pairs = list(zip(leaf_paths(tree), jax.tree_util.tree_leaves(tree), strict=True))
+    shown = [(path, leaf) for path, leaf in pairs if not is_static(leaf)]
+    if not shown:
+        held = ", ".join(f"{path} ({describe(leaf)})" for path, leaf in pairs[:3])
         raise ValueError(
-            f"{where}: {type(tree).__name__} {tree!r} has no leaves to show; give a jax array, a "
-            f"pytree of them, or shapes with shardings ({_EXAMPLE})"
+            f"{where}: {type(tree).__name__} {_short_repr(tree)} has no arrays to show"
+            + (f" (its leaves {held} are held static)" if held else "")
+            + f"; give a jax array, a pytree of them, or shapes with shardings ({_EXAMPLE})"
         )
     seen: dict[tuple, Layout] = {}  # leaves of one shape, dtype and sharding share their blocks
     out = []
-    for path, leaf in zip(leaf_paths(tree), leaves, strict=True):
+    for path, leaf in shown:
+        if isinstance(leaf, np.ndarray | np.generic):
+            out.append(_host_layout(path, leaf))
+            continue
         sharding = _sharding_of(leaf, path, where)
         key = (tuple(leaf.shape), leaf.dtype, sharding)
         lay = seen.get(key)
@@ -199,6 +210,13 @@ def _sharding_of(leaf: Any, path: str, where: str) -> Sharding:
         f"{what} is {type(leaf).__name__} {_short_repr(leaf)}, not a jax array or a "
         f"jax.ShapeDtypeStruct with a sharding; put it on devices first or describe it: {_EXAMPLE}"
     )
+
+
+def _host_layout(path: str, leaf: np.ndarray | np.generic) -> Layout:
+    """A numpy leaf: one block, held by no context (its bytes are on the host)."""
+    shape = tuple(np.shape(leaf))
+    whole = Block((0,) * len(shape), (0,) * len(shape), shape, ())
+    return Layout(path, shape, leaf.dtype, HOST, (1,) * len(shape), ((),) * len(shape), shape, (whole,), ())
 
 
 def _short_repr(leaf: Any) -> str:

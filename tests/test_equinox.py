@@ -357,6 +357,24 @@ def test_a_module_trains_split_over_the_contexts(made):
     np.testing.assert_allclose(hist.loss, want_losses, rtol=1e-5, atol=1e-6)
 
 
+def test_show_sharding_of_a_split_module_skips_its_functions():
+    tr = mg.Trainer(_loss, optax.adam(1e-2), _wide(), shard="fsdp", contexts=3)
+    tr.fit(_data(), steps=1, batch_size=BATCH, progress=False)
+    view = mg.show_sharding(tr.params, widget=False)  # the activation is held static: skipped
+    assert [lay.path for lay in view.layouts] == [
+        ".layers[0].weight",
+        ".layers[0].bias",
+        ".layers[1].weight",
+        ".layers[1].bias",
+    ]
+    first, _, last, _ = view.layouts
+    assert first.parts == (1, 3) and not first.padded  # 512 x 3: split evenly, on the contexts
+    assert last.places == () and "on the host (numpy)" in str(view)  # 2 x 512: padded, read to the host
+    stored = {lay.path: lay for lay in mg.show_sharding(tr, widget=False).layouts}
+    assert stored["['params'].layers[1].weight"].padded == (1,)  # as stored: 512 in 3 blocks of 171
+    assert stored["['params'].layers[1].weight"].shard == (2, 171)
+
+
 def test_a_module_accumulates_as_the_whole_batch():
     optimizer = optax.sgd(0.1)
     want, _ = _reference(Net(jax.random.key(2)), optimizer, _batches(), 4)

@@ -124,6 +124,11 @@ def test_fit_trains_with_one_optimizer_state_per_stage_on_its_context():
     steps = mg.ledger().records("step")
     assert {e.src for e in steps} == {"dev0", "dev1", "dev2"} and all(e.info["loss"] > 0 for e in steps)
     assert len([e for e in mg.ledger().records("update")]) == 3 * 42
+    shown = mg.show_sharding(pipe, widget=False)  # its state as stored: each stage on its context
+    stages = zip(("dev0", "dev1", "dev2"), pipe.params, pipe.opt_state, strict=True)
+    held = [(name, len(jax.tree_util.tree_leaves((p, o)))) for name, p, o in stages]
+    assert [(c.context, c.leaves) for c in shown.per_context] == held
+    assert shown.layouts[0].path == "['opt_state'][0][0].count"
 
 
 def test_a_nan_step_is_not_applied_and_ctrl_c_stops_at_a_step_boundary():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import run_python
 
 import mgkit as mg
 from mgkit.train import _memory
@@ -87,17 +88,128 @@ def test_tensor_parallel_mesh_equals_the_replicated_run(reference):
     assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
-def test_step_fn_takes_the_state_in_its_own_shapes_or_as_stored():
+def test_a_padded_leaf_reads_to_the_host_and_the_others_as_stored():
+    tr = _fit(steps=2, contexts=3, shard="fsdp")  # w1 (784 x 100) and w2 (100 x 16) stored padded
+    p, s = tr.params, tr.opt_state
+    assert isinstance(p["w1"], np.ndarray) and p["w1"].shape == (784, 100)
+    np.testing.assert_array_equal(p["w1"], np.asarray(tr._params["w1"])[:784])
+    assert p["b1"] is tr._params["b1"]  # not padded: the stored array itself, no copy
+    mu = s[0].mu
+    assert (
+        isinstance(mu["w2"], np.ndarray) and mu["w2"].shape == (100, 16) and mu["b2"] is tr._opt[0].mu["b2"]
+    )
+
+
+@pytest.mark.parametrize("given", ["as read", "jax arrays", "numpy", "as stored"])
+def test_step_fn_takes_the_state_as_read_or_as_stored(given):
     tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=3, shard="fsdp")
     p, s = tr.params, tr.opt_state
+    if given == "jax arrays":  # in their own shapes, padded on the devices
+        p, s = jax.tree_util.tree_map(jnp.asarray, (p, s))
+    elif given == "numpy":  # every leaf, the count too
+        p, s = jax.tree_util.tree_map(np.asarray, (p, s))
+    elif given == "as stored":
+        p, s = jax.tree_util.tree_map(jnp.copy, (tr._params, tr._opt))
     batch = {k: v[:BATCH] for k, v in DATA.items()}
     for _ in range(3):
         out = tr.step_fn(p, s, batch)
         p, s = out.params, out.opt_state
     assert p["w1"].shape == (786, 100)  # as stored: given back as it is
+    assert p["w1"].sharding == tr._params["w1"].sharding and s[0].count.sharding == tr._opt[0].count.sharding
     tr.fit(lambda step: batch, steps=3, progress=False)
     for k in PARAMS:
         np.testing.assert_array_equal(_values(p)[k], _values(tr.params)[k])
+
+
+_READ_SPLIT = """
+import gc, tempfile, threading
+import mgkit as mg
+
+LEAF = (1001, 601)  # neither axis divides by 8: stored padded to 1008 rows
+SHARE = -(-LEAF[0] // 8) * LEAF[1] * 4  # a context's share of one leaf, padding included
+LIMIT = int(3 * 3 * SHARE / 0.7)  # 3 such leaves and adam's mu and nu: 70 % of the limit
+mg.simulate(8, memory=LIMIT)
+import jax, jax.numpy as jnp, numpy as np, optax
+
+
+def held():
+    buffers = {}  # (device, address): bytes; a shard's view (shard.data) is not another buffer
+    for x in jax.live_arrays():
+        try:
+            for s in x.addressable_shards:
+                buffers[s.device, s.data.unsafe_buffer_pointer()] = s.data.nbytes
+        except RuntimeError:  # deleted meanwhile
+            continue
+    out = dict.fromkeys(jax.devices(), 0)
+    for (d, _), n in buffers.items():
+        out[d] += n
+    return out
+
+
+peak = dict.fromkeys(jax.devices(), 0)
+
+
+def note():
+    for d, n in held().items():
+        peak[d] = max(peak[d], n)
+
+
+def loss(p, b):
+    return sum(jnp.mean((b @ p[k]) ** 2) for k in ("w1", "w2", "w3")) + jnp.sum(p["b"])
+
+
+def make():
+    key = jax.random.key(0)
+    ws = {k: jax.random.normal(jax.random.fold_in(key, i), LEAF) for i, k in enumerate(("w1", "w2", "w3"))}
+    return {**ws, "b": jnp.zeros(LEAF[1])}
+
+
+tr = mg.Trainer(loss, optax.adam(1e-3), make, shard="fsdp", checkpoint=tempfile.mkdtemp(), every=10**6)
+gc.collect()
+base = held()
+assert max(base.values()) <= 0.71 * LIMIT, base
+stop = threading.Event()
+
+
+def sample():
+    while not stop.wait(0.0005):
+        note()
+
+
+sampler = threading.Thread(target=sample)
+sampler.start()
+reads = {
+    "tr.params": lambda: tr.params,
+    "tr.opt_state": lambda: tr.opt_state,
+    "mg.show_sharding(tr.params)": lambda: str(mg.show_sharding(tr.params, widget=False)),
+    "mg.show_sharding(tr)": lambda: str(mg.show_sharding(tr, widget=False)),
+    "tr.memory()": lambda: tr.memory(),
+    "tr.save()": lambda: tr.save(),
+}
+kept = []
+try:
+    for name, read in reads.items():
+        kept.append(read())
+        note()
+        most = max(peak.values())
+        assert most <= LIMIT, f"{name}: {most} bytes live on a context, over its limit of {LIMIT}"
+finally:
+    stop.set()
+    sampler.join()
+assert kept[0]["w1"].shape == LEAF and "padded dim 0: 1001 in 8 blocks of 126" in kept[3]
+del kept
+gc.collect()
+assert held() == base, "reading left arrays alive"
+print("peak", max(peak.values()), "of", LIMIT)
+"""
+
+
+def test_reading_a_split_state_never_gathers_it():
+    """The state at 70 % of each context's limit when split, leaves that do not divide by the 8
+    contexts: reading it every way keeps each context's live bytes under its limit (sampled
+    after each read and by a thread during them), and leaves nothing alive after."""
+    out = run_python(_READ_SPLIT, timeout=300)
+    assert out.returncode == 0 and "peak" in out.stdout, out.stderr[-3000:]
 
 
 def test_rules_first_match_wins_and_unmatched_follow_fsdp():

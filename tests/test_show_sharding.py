@@ -231,7 +231,7 @@ def test_widget_html_and_text(monkeypatch):
 
 
 def test_save_png(tmp_path):
-    tree = {"a": _sds((10, 3), _mesh((4,), ("x",)), P("x")), "b": jnp.ones((2, 3, 4))}
+    tree = {"a": _sds((10, 3), _mesh((4,), ("x",)), P("x")), "b": jnp.ones((2, 3, 4)), "c": np.ones(3)}
     path = mg.show_sharding(tree, widget=False).save_png(tmp_path / "sharding.png", dpi=40)
     head = (tmp_path / "sharding.png").read_bytes()[:24]
     width, height = struct.unpack(">II", head[16:24])
@@ -255,25 +255,50 @@ def test_limits_shown_against_each_contexts_memory(monkeypatch):
     ("tree", "error", "message"),
     [
         (
-            {"w": np.ones((2, 3), np.float32)},
+            {"w": 1.5},
             TypeError,
-            r"mg.show_sharding: leaf \['w'\] is ndarray float32\[2, 3\], not a jax array or a "
+            r"mg.show_sharding: leaf \['w'\] is float 1.5, not a jax array or a "
             r"jax.ShapeDtypeStruct with a sharding; put it on devices first or describe it: "
             r"e.g. jax.device_put",
         ),
-        ([1.5], TypeError, r"leaf \[0\] is float 1.5, not a jax array"),
         (
             {"w": jax.ShapeDtypeStruct((4,), jnp.float32)},
             ValueError,
             r"leaf \['w'\] \(ShapeDtypeStruct float32\[4\]\) has no sharding; expected a jax array or a "
             r"jax.ShapeDtypeStruct with a sharding: e.g.",
         ),
-        ({}, ValueError, r"mg.show_sharding: dict \{\} has no leaves to show"),
+        ({}, ValueError, r"mg.show_sharding: dict \{\} has no arrays to show"),
+        (
+            {"f": jax.nn.relu, "name": "net"},
+            ValueError,
+            r"mg.show_sharding: dict .* has no arrays to show \(its leaves \['f'\] \(custom_jvp relu\), "
+            r"\['name'\] \(str 'net'\) are held static\); give a jax",
+        ),
     ],
 )
 def test_bad_input_says_what_was_expected(tree, error, message):
     with pytest.raises(error, match=message):
         mg.show_sharding(tree)
+
+
+def test_a_numpy_leaf_is_on_the_host_and_no_context_holds_it():
+    tree = {"w": np.ones((3, 5), np.float32), "b": mg.put(jnp.ones(2), "dev1"), "f": jax.nn.relu}
+    view = mg.show_sharding(tree, widget=False)
+    w = next(lay for lay in view.layouts if lay.path == "['w']")  # the function is skipped
+    assert [lay.path for lay in view.layouts] == ["['b']", "['w']"]
+    assert w.places == () and w.shard_bytes == 0 and w.nbytes == 60
+    assert [(c.context, c.nbytes) for c in view.per_context] == [("dev1", 8)]  # w counts nowhere
+    text = str(view)
+    assert (
+        text.splitlines()[0]
+        == "mgkit sharding: 2 leaves, 68 B; on 1 context(s), 8 B to 8 B each; 60 B on the host (numpy)"
+    )
+    assert (
+        "['w']  float32[3, 5]  60 B  on the host (numpy)\n  on the host (numpy): no context holds it" in text
+    )
+    assert "on the host (numpy)" in view.html()
+    alone = str(mg.show_sharding(np.zeros(4, np.float32), widget=False))
+    assert alone.startswith("mgkit sharding: 1 leaf, 16 B; on no context; 16 B on the host (numpy)")
 
 
 def test_a_tracer_is_refused_with_what_to_do():

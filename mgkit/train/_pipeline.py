@@ -51,6 +51,7 @@ from ._feed import Feed
 from ._history import History
 from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._pipeline_schedule import SCHEDULES, Block, Op, Ran, run
+from ._shard import shape_of
 from ._stage import (
     Stage,
     check_shapes,
@@ -207,6 +208,12 @@ class Pipeline(Checkpointing):
     def opt_state(self) -> list | None:
         """Each stage's optimizer state, on its context (None before the first fit)."""
         return None if self._opt is None else list(self._opt)
+
+    def state_shapes(self) -> dict:
+        """The state as it lies on the contexts, for ``mg.show_sharding(pipe)``: ``{"params": ...,
+        "opt_state": ...}`` (a list per stage), each leaf a ``jax.ShapeDtypeStruct`` with the
+        sharding it is stored with (its stage's context). Nothing is read or moved."""
+        return jax.tree_util.tree_map(shape_of, {"params": list(self._params), "opt_state": self._opt})
 
     @property
     def step(self) -> int:

@@ -6,6 +6,9 @@ parameter (``optax.tree_map_params``; counts and other scalars replicated) and f
 A split axis that does not divide by its parts is stored padded with zeros up to a multiple of
 them (JAX refuses uneven shardings); the step slices the padding off before the loss and the
 optimizer see the leaf and pads the result again, so the math is that of the unpadded leaf.
+Read back (``Trainer.params``), such a leaf comes to the host as a numpy array of its own shape,
+shard by shard, and given back (``Trainer.step_fn``) it goes to the devices the same way: no
+context ever holds it whole.
 
 ============  ====================================================================================
 ``shard=``    what each parameter gets
@@ -36,7 +39,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._spmd import AXIS
+from .._spmd import AXIS, from_host, to_host
 from .._spmd import mesh as line_mesh
 from ._checkpoint_tree import Padded
 
@@ -366,18 +369,56 @@ class Placement:
         """Whether any leaf is stored padded."""
         return any(lay.padded != lay.shape for lay in layouts(self.plan.leaves))
 
-    def as_stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """A state given in the leaves' own shapes (or as stored) laid out as stored: padded and
-        split (one program; a state stored already comes back as it is)."""
-        shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
-        if shapes == [lay.padded for lay in layouts(self.plan.leaves)]:
-            return params, opt_state
-        out = (self.params, self.opt_state(optimizer))
-        return jax.jit(lambda p, o: self.pad(optimizer, p, o), out_shardings=out)(params, opt_state)
+    def read(self, params: Any) -> Any:
+        """The stored parameters in their own shapes, as ``Trainer.params`` gives them (see ``own_leaf``)."""
+        return jax.tree_util.tree_map(own_leaf, self.plan.leaves, params) if self.padding else params
 
-    def as_own(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """The stored state in the leaves' own shapes (a padded leaf's slice, on every context)."""
-        return jax.jit(lambda p, o: self.unpad(optimizer, p, o))(params, opt_state)
+    def read_state(self, optimizer: Any, opt_state: Any) -> Any:
+        """The stored optimizer state in the parameters' own shapes (see ``own_leaf``)."""
+        if not self.padding:
+            return opt_state
+        return param_like(optimizer, opt_state, self.plan.leaves, lambda x, lay: own_leaf(lay, x), None)
+
+    def as_stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """A state given back (``Trainer.step_fn``) laid out as stored. A state stored already
+        comes back as it is; else numpy leaves (padded leaves as ``read`` gives them) are padded
+        and split from the host, each device receiving only its shard (``from_host``), and jax
+        arrays (in their own shapes or as stored) are padded and laid out in one program."""
+        flat, treedef = jax.tree_util.tree_flatten((params, opt_state))
+        lays = layouts(self.plan.leaves) + [
+            spot.layout
+            for spot in jax.tree_util.tree_leaves(
+                param_like(optimizer, opt_state, self.plan.leaves, lambda x, lay: _Spot(x, lay), _Spot)
+            )
+        ]
+        if all(
+            isinstance(x, jax.Array) and (lay is None or x.shape == lay.padded)
+            for x, lay in zip(flat, lays, strict=True)
+        ):
+            return params, opt_state
+        targets = [self.rep if lay is None else self.sharding(lay) for lay in lays]
+        out = list(flat)
+        on_devices = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
+        for i, (x, lay) in enumerate(zip(flat, lays, strict=True)):
+            if not isinstance(x, jax.Array):
+                out[i] = from_host(x, np.shape(x) if lay is None else lay.padded, targets[i])
+        pads = [lays[i] for i in on_devices]
+        program = jax.jit(
+            lambda xs: [x if lay is None else lay.pad(x) for lay, x in zip(pads, xs, strict=True)],
+            out_shardings=[targets[i] for i in on_devices],
+        )
+        for i, x in zip(on_devices, program([flat[i] for i in on_devices]), strict=True):
+            out[i] = x
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def shapes(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The stored state as ``jax.ShapeDtypeStruct`` leaves of the leaves' own shapes with
+        their stored shardings (``mg.show_sharding`` then marks a padded leaf's short blocks)."""
+        params = jax.tree_util.tree_map(lambda lay, x: shape_of(x, lay.shape), self.plan.leaves, params)
+        opt_state = param_like(
+            optimizer, opt_state, self.plan.leaves, lambda x, lay: shape_of(x, lay.shape), shape_of
+        )
+        return params, opt_state
 
     def stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """The state as checkpoints take it: each padded leaf as a ``Padded`` (its own shape kept)."""
@@ -421,6 +462,28 @@ class Placement:
     def plan_shapes(self) -> Any:
         """The parameters' (unpadded) shapes and dtypes."""
         return shapes_of(self.plan.leaves)
+
+
+def own_leaf(lay: LeafLayout, x: jax.Array) -> Any:
+    """A stored leaf as the user reads it: one stored padded read to a new numpy array of its own
+    shape, shard by shard (``to_host``: no context ever holds it whole, and nothing is left on
+    the devices), any other the stored array itself (no copy)."""
+    if lay.padded == lay.shape or np.shape(x) != lay.padded:
+        return x
+    return to_host(x, lay.shape)
+
+
+def shape_of(x: jax.Array, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
+    """A stored array as a ``jax.ShapeDtypeStruct`` of ``shape`` (default its own) with its sharding."""
+    return jax.ShapeDtypeStruct(np.shape(x) if shape is None else shape, x.dtype, sharding=x.sharding)
+
+
+class _Spot:
+    """An optimizer-state leaf's parameter layout (None: a leaf such as a count), for ``as_stored``;
+    made from (the leaf, its layout) as ``param_like`` calls it. Not a pytree node."""
+
+    def __init__(self, leaf: Any, layout: LeafLayout | None = None):
+        self.layout = layout
 
 
 def shapes_of(leaves: Any) -> Any:

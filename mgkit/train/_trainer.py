@@ -23,7 +23,7 @@ from ._initial import initial, made
 from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
-from ._shard import Placement, plan
+from ._shard import Placement, plan, shape_of
 from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
@@ -137,7 +137,6 @@ class Trainer(Checkpointing):
         split = self.spmd and (self._plan.split or mesh is not None)
         self._layout = Placement(self._plan, devices) if split else None
         self._batch_bytes = 0  # of the last fit's first batch, on each context (``memory``)
-        self._unpadded: tuple = (None, None)  # (stored params, their state unpadded) for ``params``
         if self._layout is not None:
             layout = self._layout
             self._params = layout.create(start.make) if start.make else layout.place(self._model.arrays)
@@ -164,27 +163,36 @@ class Trainer(Checkpointing):
 
     @property
     def params(self) -> Any:
-        """The parameters after the last completed step (the trainer's own arrays: the next fit
+        """The parameters after the last completed step: the trainer's own arrays (the next fit
         donates them, so copy them, e.g. ``jax.device_get``, to keep a snapshot). A leaf that
-        ``shard=`` stores padded comes in its own shape, a copy on every context. A model with
-        leaves other than arrays (an Equinox module's activation) comes back with them as given."""
-        return self._model.join(self._own()[0])
+        ``shard=`` stores padded (an axis that does not divide by the contexts) is read to the
+        host as a new numpy array of its own shape, shard by shard: no context ever holds it
+        whole, nothing is kept for later, and each read copies it again (keep the result). A
+        model with leaves other than arrays (an Equinox module's activation) comes back with
+        them as given."""
+        if self._layout is None:
+            return self._model.join(self._params)
+        return self._model.join(self._layout.read(self._params))
 
     @property
     def opt_state(self) -> Any:
         """The optimizer state after the last completed step, of the model's arrays (as
-        ``optimizer.init(eqx.filter(model, eqx.is_array))`` would make it; padded leaves as
-        ``params``)."""
-        return self._own()[1]
+        ``optimizer.init(eqx.filter(model, eqx.is_array))`` would make it; leaves stored padded
+        read as ``params`` reads them)."""
+        if self._layout is None:
+            return self._opt
+        return self._layout.read_state(self.optimizer, self._opt)
 
-    def _own(self) -> tuple[Any, Any]:
-        """The state in the leaves' own shapes: as stored, or without padding (made once per step)."""
-        if self._layout is None or not self._layout.padding:
-            return self._params, self._opt
-        if self._unpadded[0] is not self._params:
-            own = self._layout.as_own(self.optimizer, self._params, self._opt)
-            self._unpadded = (self._params, own)
-        return self._unpadded[1]
+    def state_shapes(self) -> dict:
+        """The state as it lies on the contexts, for ``mg.show_sharding(tr)``: ``{"params": ...,
+        "opt_state": ...}``, each leaf a ``jax.ShapeDtypeStruct`` of its own shape and dtype with
+        the sharding it is stored with (a padded leaf's last blocks are then shown short).
+        Nothing is read or moved."""
+        if self._layout is not None:
+            params, opt = self._layout.shapes(self.optimizer, self._params, self._opt)
+        else:
+            params, opt = jax.tree_util.tree_map(shape_of, (self._params, self._opt))
+        return {"params": params, "opt_state": opt}
 
     @property
     def step(self) -> int:
@@ -229,7 +237,9 @@ class Trainer(Checkpointing):
         ``opt_state`` (use the returned ones); ``ok`` is False where the update was skipped
         (a loss or gradient not finite). The trainer's own state is not touched. It is the
         plain step (no ``accumulate``, float32), whatever the last fit used. With ``shard=``,
-        leaves stored padded come back padded: give them back as they are."""
+        leaves stored padded come back padded: give them back as they are; the state as
+        ``params`` and ``opt_state`` read it (padded leaves as numpy arrays) is taken too, each
+        device receiving only its shard of such a leaf."""
         k = len(self.targets.contexts)
         program = self._built(1, "fp32")
 

@@ -134,7 +134,10 @@ def who(contexts: Sequence[str]) -> str:
 
 
 def marks(lay: _shards.Layout) -> list[str]:
-    """How a leaf is laid out, in words: split, replicated, padded, or whole on one context."""
+    """How a leaf is laid out, in words: split, replicated, padded, whole on one context, or on
+    the host (a numpy leaf)."""
+    if not lay.places:
+        return [f"{_shards.HOST}: no context holds it"]
     out = []
     split = [d for d, k in enumerate(lay.parts) if k > 1]
     if split:
@@ -214,7 +217,7 @@ class ShardingView(LiveView):
         super().__init__(1.0, None, widget, False)
         self.layouts = tuple(layouts)
         self.per_context = tuple(_shards.context_bytes(self.layouts))
-        self._grids = [grid(lay) for lay in self.layouts[:_GRIDS]]
+        self._grids = [grid(lay) if lay.places else None for lay in self.layouts[:_GRIDS]]
         self._colors = _svg.colors([c.context for c in self.per_context])  # one colour per context
         self._start()
 
@@ -225,10 +228,14 @@ class ShardingView(LiveView):
         total = sum(lay.nbytes for lay in self.layouts)
         held = [c.nbytes for c in self.per_context]
         n = len(self.layouts)
-        return (
-            f"mgkit sharding: {n} lea{'f' if n == 1 else 'ves'}, {human_bytes(total)}; on "
-            f"{len(held)} context(s), {human_bytes(min(held))} to {human_bytes(max(held))} each"
+        host = sum(lay.nbytes for lay in self.layouts if not lay.places)
+        where = (
+            f"on {len(held)} context(s), {human_bytes(min(held))} to {human_bytes(max(held))} each"
+            if held
+            else "on no context"
         )
+        on_host = f"; {human_bytes(host)} {_shards.HOST}" if host else ""
+        return f"mgkit sharding: {n} lea{'f' if n == 1 else 'ves'}, {human_bytes(total)}; {where}{on_host}"
 
     def _rows(self) -> list[tuple]:
         return [
@@ -261,7 +268,7 @@ class ShardingView(LiveView):
             out.append((f"... {len(rest)} more", "", f"{human_bytes(lo)} to {human_bytes(hi)}", "", ""))
         return out
 
-    def _sections(self) -> list[tuple[_shards.Layout, Grid]]:
+    def _sections(self) -> list[tuple[_shards.Layout, Grid | None]]:
         return list(zip(self.layouts, self._grids, strict=False))
 
     def _more(self) -> str:
@@ -283,6 +290,8 @@ class ShardingView(LiveView):
             out.append("")
             out.append(f"{lay.path}  {_type_text(lay)}  {human_bytes(lay.nbytes)}  {lay.sharding}")
             out.append("  " + "; ".join(marks(lay)) + f"; {human_bytes(lay.shard_bytes)} per context")
+            if g is None:  # on the host: nothing to draw
+                continue
             table = text_table(
                 (g.corner, *g.cols.labels),
                 [(label, *(who(c) for c in row)) for label, row in zip(g.rows.labels, g.cells, strict=True)],
@@ -308,6 +317,8 @@ class ShardingView(LiveView):
             head = f"{lay.path}  {_type_text(lay)}  {human_bytes(lay.nbytes)}  {lay.sharding}"
             out.append(f'<div style="margin-top:8px"><code>{esc(head)}</code></div>')
             out.append(f"<div>{esc('; '.join(marks(lay)))}; {human_bytes(lay.shard_bytes)} per context</div>")
+            if g is None:  # on the host: nothing to draw
+                continue
             out.append(self.svg(g))
             if g.note:
                 out.append(f'<div style="font-size:11px;color:#666">{esc(g.note)}</div>')
@@ -326,6 +337,11 @@ class ShardingView(LiveView):
     def _draw_figure(self, fig: Any) -> None:
         axes = fig.subplots(len(self._grids) + (len(self.layouts) > 1), 1, squeeze=False)[:, 0]
         for ax, (lay, g) in zip(axes, self._sections(), strict=False):
+            title = f"{lay.path}  {_type_text(lay)}  {'; '.join(marks(lay))}"
+            if g is None:  # on the host: its title alone
+                ax.set_axis_off()
+                ax.set_title(title, fontsize=8, loc="left")
+                continue
             color = self._colors
             tiles = [
                 Tile(i, j, g.cols.filled[j], g.rows.filled[i], who(c), color[c[0]])
@@ -333,7 +349,6 @@ class ShardingView(LiveView):
                 for j, c in enumerate(row)
                 if c
             ]
-            title = f"{lay.path}  {_type_text(lay)}  {'; '.join(marks(lay))}"
             draw_tiles(ax, tiles, g.rows.labels, g.cols.labels, g.corner, title)
         if len(self.layouts) > 1:
             rows = self.per_context[:_CONTEXT_ROWS]
@@ -352,7 +367,11 @@ def show_sharding(x: Any, widget: bool | None = None) -> ShardingView:
     Args:
       x: a jax array, a pytree of them, or shapes with shardings (``jax.ShapeDtypeStruct(shape,
         dtype, sharding=...)``, what ``jax.eval_shape`` returns for a function jitted with
-        ``out_shardings``), on real devices or on a ``jax.sharding.AbstractMesh``.
+        ``out_shardings``), on real devices or on a ``jax.sharding.AbstractMesh``. Numpy leaves
+        (a padded leaf of ``tr.params``) are listed on the host, no context holding any of
+        them; leaves held static (an Equinox module's activation) are skipped. Or a trainer
+        (``mg.Trainer``, ``mg.Pipeline``: anything with a ``state_shapes()`` method): its
+        parameters and optimizer state as they are stored, padded blocks marked.
       widget: True for an ipywidgets widget, False for text (and HTML in a notebook), None for a
         widget inside a Jupyter kernel where ipywidgets is installed, text elsewhere.
 
@@ -373,6 +392,8 @@ def show_sharding(x: Any, widget: bool | None = None) -> ShardingView:
       0:2            dev0
       2:4            dev1
     """
+    if callable(getattr(x, "state_shapes", None)):  # a trainer: its state as stored
+        x = x.state_shapes()
     lays = _shards.layouts(x)
     if widget is None:
         widget = in_kernel() and importlib.util.find_spec("ipywidgets") is not None
