@@ -100,25 +100,31 @@ def test_a_padded_leaf_reads_to_the_host_and_the_others_as_stored():
     )
 
 
-@pytest.mark.parametrize("given", ["as read", "jax arrays", "numpy", "as stored"])
-def test_step_fn_takes_the_state_as_read_or_as_stored(given):
+def test_step_fn_takes_the_state_as_read_or_as_stored():
     tr = mg.Trainer(loss_fn, optax.adam(1e-3), PARAMS, contexts=3, shard="fsdp")
-    p, s = tr.params, tr.opt_state
-    if given == "jax arrays":  # in their own shapes, padded on the devices
-        p, s = jax.tree_util.tree_map(jnp.asarray, (p, s))
-    elif given == "numpy":  # every leaf, the count too
-        p, s = jax.tree_util.tree_map(np.asarray, (p, s))
-    elif given == "as stored":
-        p, s = jax.tree_util.tree_map(jnp.copy, (tr._params, tr._opt))
+    read = (tr.params, tr.opt_state)  # w1 and w2 (padded) as numpy, the others as stored
+    given = {
+        "as read": lambda: read,
+        "jax arrays": lambda: jax.tree_util.tree_map(jnp.asarray, read),  # padded on the devices
+        "numpy": lambda: jax.tree_util.tree_map(np.asarray, read),  # every leaf, the count too
+        "as stored": lambda: jax.tree_util.tree_map(jnp.copy, (tr._params, tr._opt)),
+    }
     batch = {k: v[:BATCH] for k, v in DATA.items()}
-    for _ in range(3):
-        out = tr.step_fn(p, s, batch)
-        p, s = out.params, out.opt_state
-    assert p["w1"].shape == (786, 100)  # as stored: given back as it is
-    assert p["w1"].sharding == tr._params["w1"].sharding and s[0].count.sharding == tr._opt[0].count.sharding
-    tr.fit(lambda step: batch, steps=3, progress=False)
-    for k in PARAMS:
-        np.testing.assert_array_equal(_values(p)[k], _values(tr.params)[k])
+    ran = {}
+    for how, state in given.items():  # the trainer's own arrays among them are not donated
+        p, s = state()
+        for _ in range(3):
+            out = tr.step_fn(p, s, batch)
+            p, s = out.params, out.opt_state
+        assert p["w1"].shape == (786, 100), how  # as stored: given back as it is
+        assert (
+            p["w1"].sharding == tr._params["w1"].sharding and s[0].count.sharding == tr._opt[0].count.sharding
+        )
+        ran[how] = _values(p)
+    tr.fit(lambda step: batch, steps=3, progress=False)  # the trainer's own three steps
+    for how, got in ran.items():
+        for k in PARAMS:
+            np.testing.assert_array_equal(got[k], _values(tr.params)[k], err_msg=f"{how}: {k}")
 
 
 _READ_SPLIT = """
