@@ -121,6 +121,13 @@ def test_step_fn_takes_the_state_as_read_or_as_stored():
             p["w1"].sharding == tr._params["w1"].sharding and s[0].count.sharding == tr._opt[0].count.sharding
         )
         ran[how] = _values(p)
+    p, s = read
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer.step_fn: the state's leaf 'w1' \(or its optimizer state\) has "
+        r"shape \(784, 99\); expected \(784, 100\) as Trainer.params reads it, or \(786, 100\)",
+    ):
+        tr.step_fn({**p, "w1": p["w1"][:, :99]}, s, batch)
     tr.fit(lambda step: batch, steps=3, progress=False)  # the trainer's own three steps
     for how, got in ran.items():
         for k in PARAMS:

@@ -379,11 +379,12 @@ class Placement:
             return opt_state
         return param_like(optimizer, opt_state, self.plan.leaves, lambda x, lay: own_leaf(lay, x), None)
 
-    def as_stored(self, optimizer: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    def as_stored(self, optimizer: Any, params: Any, opt_state: Any, where: str) -> tuple[Any, Any]:
         """A state given back (``Trainer.step_fn``) laid out as stored. A state stored already
         comes back as it is; else numpy leaves (padded leaves as ``read`` gives them) are padded
         and split from the host, each device receiving only its shard (``from_host``), and jax
-        arrays (in their own shapes or as stored) are padded and laid out in one program."""
+        arrays (in their own shapes or as stored) are padded and laid out in one program. A leaf
+        of another shape is refused by name (``where``: the caller, for the message)."""
         flat, treedef = jax.tree_util.tree_flatten((params, opt_state))
         lays = layouts(self.plan.leaves) + [
             spot.layout
@@ -396,6 +397,13 @@ class Placement:
             for x, lay in zip(flat, lays, strict=True)
         ):
             return params, opt_state
+        for x, lay in zip(flat, lays, strict=True):
+            if lay is not None and np.shape(x) not in (lay.shape, lay.padded):
+                raise ValueError(
+                    f"{where}: the state's leaf {lay.path!r} (or its optimizer state) has shape "
+                    f"{np.shape(x)}; expected {lay.shape} as Trainer.params reads it, or {lay.padded} "
+                    "as the step returns it"
+                )
         targets = [self.rep if lay is None else self.sharding(lay) for lay in lays]
         out = list(flat)
         on_devices = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]

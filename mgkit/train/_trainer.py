@@ -247,7 +247,9 @@ class Trainer(Checkpointing):
             leaves, treedef, n = _data.check_batch(batch, "Trainer.step_fn", "the batch")
             arrays = self._model.arrays_of(params, "Trainer.step_fn", "params")
             if self._layout is not None:  # a state in its own shapes padded (stored: kept)
-                arrays, opt_state = self._layout.as_stored(self.optimizer, arrays, opt_state)
+                arrays, opt_state = self._layout.as_stored(
+                    self.optimizer, arrays, opt_state, "Trainer.step_fn"
+                )
             if self.spmd:
                 even, rest, _ = place_spmd_batch(leaves, treedef, self.targets, False, self._layout)
                 out = program(arrays, opt_state, even, rest, key)
