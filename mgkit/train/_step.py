@@ -123,12 +123,32 @@ def spmd_step(
         return StepOut(params, opt_state, loss, ok, aux, scale)
 
     extra = 2 if precision == "fp16" else int(gated)
-    return jax.jit(
+    program = jax.jit(
         step,
         in_shardings=(*state, split, rep, rep) + (rep,) * extra,
         out_shardings=StepOut(*state, rep, rep, rep, rep),
         donate_argnums=(0, 1),
     )
+    return program if layout is None else InForce(program, layout.in_force)
+
+
+class InForce:
+    """A jitted program traced, lowered and run with a mesh in force (``Placement.in_force``):
+    the loss function may name the mesh's axes (``with_sharding_constraint(x, P("data",
+    "model"))``), and each call finds the trace it made (JAX keys traces by the mesh in force)."""
+
+    __slots__ = ("in_force", "program")
+
+    def __init__(self, program: Callable, in_force: Callable):
+        self.program, self.in_force = program, in_force
+
+    def __call__(self, *args: Any) -> Any:
+        with self.in_force():
+            return self.program(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with self.in_force():
+            return self.program.lower(*args)
 
 
 def copied(tree: Any, target: jax.sharding.Sharding) -> Any:
