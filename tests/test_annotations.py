@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
 from mgkit.train._annotations import annotations
+from mgkit.train._shard import plan
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -320,15 +321,34 @@ def _gpt_loss(model, batch):
     return loss, logits
 
 
-def test_the_minigpt_tutorials_model_trains_split_as_annotated_equal_to_its_own_loop():
+def _tutorial_mesh():
     from jax.experimental import mesh_utils
     from jax.sharding import Mesh
 
-    mesh = Mesh(mesh_utils.create_device_mesh((4, 2)), ("batch", "model"))
-    MiniGPT = _minigpt(
-        mesh, maxlen=8, vocab_size=32, embed_dim=16, num_heads=2, feed_forward_dim=16, blocks=2
-    )
+    return Mesh(mesh_utils.create_device_mesh((4, 2)), ("batch", "model"))
+
+
+CONFIG = {"maxlen": 8, "vocab_size": 32, "embed_dim": 16, "num_heads": 2, "feed_forward_dim": 16}
+
+
+def test_the_minigpt_tutorials_34_annotated_leaves_are_split_as_annotated():
+    MiniGPT = _minigpt(_tutorial_mesh(), **CONFIG, blocks=2)
     with nnx.use_eager_sharding(False):  # its 1-D leaves annotated with two names cannot be placed eagerly
+        model = nnx.eval_shape(lambda: MiniGPT(nnx.Rngs(0)))
+    assert len([leaf for leaf in annotations(model) if leaf.names is not None]) == 34
+    with pytest.warns(mg.AnnotationWarning, match=r"5 annotation\(s\) name more axes than their leaf has"):
+        layouts = plan(model, None, {"batch": 4, "model": 2}, 8, "Trainer")
+    split = {lay.path: lay.partition for lay in jax.tree_util.tree_leaves(layouts.leaves) if any(lay.spec)}
+    assert len(split) == 29  # the 34 less the five 1-D leaves annotated (None, 'model')
+    assert split["transformer_blocks/0/mha/query/kernel/value"] == P(None, "model", None)
+    assert split["transformer_blocks/1/linear1/bias/value"] == P("model")
+    assert "output_layer/bias/value" not in split
+
+
+@pytest.mark.slow  # two compiles of a transformer (its nnx.jit loop and the trainer's step)
+def test_the_minigpt_tutorials_model_trains_split_equal_to_its_own_loop():
+    MiniGPT = _minigpt(_tutorial_mesh(), **CONFIG, blocks=1)
+    with nnx.use_eager_sharding(False):
         ref, model = MiniGPT(nnx.Rngs(0)), MiniGPT(nnx.Rngs(0))
     optimizer = nnx.Optimizer(ref, optax.adam(1e-3), wrt=nnx.Param)
 
@@ -343,15 +363,12 @@ def test_the_minigpt_tutorials_model_trains_split_as_annotated_equal_to_its_own_
     targets = np.asarray(prep_target_batch(jnp.asarray(tokens)))
     want = [float(train_step(ref, optimizer, (tokens[i : i + 8], targets[i : i + 8]))) for i in (0, 8)]
 
-    annotated = [leaf for leaf in annotations(model) if leaf.names is not None]
-    assert len(annotated) == 34
-    with pytest.warns(mg.AnnotationWarning, match=r"5 annotation\(s\) name more axes than their leaf has"):
+    with pytest.warns(mg.AnnotationWarning, match=r"3 annotation\(s\)"):
         tr = mg.Trainer(_gpt_loss, optax.adam(1e-3), model, has_aux=True, mesh={"batch": 4, "model": 2})
-    assert _split(tr.params) == 29  # the 34 less the five 1-D leaves annotated (None, 'model')
     specs = _specs(tr.params)
-    assert specs[".transformer_blocks[0].mha.query.kernel.value"] == P(None, "model", None)
-    assert specs[".transformer_blocks[1].linear1.bias.value"] == P("model")
-    assert specs[".output_layer.bias.value"] == P(None)
+    assert _split(tr.params) == 15 and specs[".transformer_blocks[0].mha.query.kernel.value"] == P(
+        None, "model", None
+    )
     got = tr.fit((tokens, targets), steps=2, batch_size=8, shuffle=False, progress=False).loss
     np.testing.assert_allclose(got, want, **TOL)
 
