@@ -95,7 +95,8 @@ def spmd_step(
     ``precision``: the loss function's compute dtype (``_precision``). With ``"fp16"`` the step
     takes ``alive`` (None where not gated) and the ``LossScale``, and returns the next one.
     ``layout``: a ``Placement`` (``shard=``): parameters and optimizer state stored split (and
-    padded) as it says, the batch split over its batch axis; None: replicated."""
+    padded) as it says, the batch split over its batch axis, the step traced and run with its
+    mesh in force (``InForce``); None: replicated."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
     state, groups = (rep, rep), len(devices)
     if layout is not None:
