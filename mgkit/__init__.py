@@ -53,6 +53,7 @@ from .launching import CoresWarning as CoresWarning
 from .launching import LaunchError as LaunchError
 from .launching import LaunchResult as LaunchResult
 from .launching import launch as launch
+from .train import AnnotationWarning as AnnotationWarning
 from .train import Ensemble as Ensemble
 from .train import History as History
 from .train import Member as Member
@@ -63,6 +64,7 @@ from .train import Trainer as Trainer
 from .train import fits as fits
 
 __all__ = [
+    "AnnotationWarning",
     "ContextError",
     "ContextMap",
     "CoresWarning",

@@ -339,8 +339,16 @@ def test_padded_state_is_saved_as_shards_and_restored_into_any_padding(tmp_path)
 # -- bad input ---------------------------------------------------------------------------------
 
 BAD = [
-    ({"shard": "fdsp"}, ValueError, r"shard='fdsp' is not known; use one of \['replicate', 'fsdp'\]"),
-    ({"shard": 3}, TypeError, r"shard must be 'replicate', 'fsdp', a dict of rules or a function; got int"),
+    (
+        {"shard": "fdsp"},
+        ValueError,
+        r"shard='fdsp' is not known; use one of \['replicate', 'fsdp', 'annotations'\]",
+    ),
+    (
+        {"shard": 3},
+        TypeError,
+        r"shard must be 'replicate', 'fsdp', a dict of rules, logical axis rules or a function; got int",
+    ),
     ({"shard": {"kernel": 1}}, ValueError, r"rule 'kernel' matches no parameter \(paths: b1, b2, w1, w2\)"),
     ({"shard": {"(w": 1}}, ValueError, r"rule '\(w' is not a regular expression"),
     ({"shard": {"w1": 2}}, ValueError, r"axis 2 for 'w1' is out of range: the leaf has shape \(784, 100\)"),
@@ -350,7 +358,11 @@ BAD = [
         ValueError,
         r"the layout \('rows',\) of 'b1' names mesh axis 'rows', which the mesh does not have",
     ),
-    ({"shard": lambda p, leaf: 1.5}, TypeError, r"the layout of 'b1' is 1.5; give an axis \(int\), None"),
+    (
+        {"shard": lambda p, leaf: 1.5},
+        TypeError,
+        r"the layout of 'b1' is 1.5 \(given by shard function .*<lambda>\); a rule gives an array axis",
+    ),
     (
         {"mesh": {"data": 3, "model": 2}},
         ValueError,

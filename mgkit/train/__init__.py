@@ -6,7 +6,8 @@ context in the map: one SPMD program per step over distinct devices of one kind,
 gather-update-copy loop (per-context gradients gathered on the first context, the update
 there, the parameters copied back) where contexts share a device or mix kinds. ``fit``
 returns a ``History``. With ``shard="fsdp"`` (or rules, or ``mesh=`` for tensor parallelism)
-parameters and optimizer state are split over the contexts (``_shard``); ``mg.fits`` plans the
+parameters and optimizer state are split over the contexts (``_shard``), or as a Flax model's own
+annotations say (``_annotations``); ``mg.fits`` plans the
 bytes per context from shapes before anything is allocated (``_memory``).
 
 ``mg.Ensemble({ctx: mg.Member(...)})`` trains different models side by side, one per context
@@ -23,6 +24,7 @@ optimizer, seed, ``on_nan``, ``prefetch`` and checkpoint folder where the model 
 float16 over float32 parameters, with float16's dynamic loss scale (``_precision``).
 """
 
+from ._annotations import AnnotationWarning as AnnotationWarning
 from ._ensemble import Ensemble as Ensemble
 from ._history import History as History
 from ._loop import DataRanOut as DataRanOut
@@ -38,6 +40,7 @@ from ._precision import PrecisionWarning as PrecisionWarning
 from ._trainer import Trainer as Trainer
 
 __all__ = [
+    "AnnotationWarning",
     "DataRanOut",
     "Ensemble",
     "EnsembleResult",

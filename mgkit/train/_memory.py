@@ -152,7 +152,7 @@ def fits(
     params: Any,
     optimizer: Any,
     *,
-    shard: Any = "replicate",
+    shard: Any = None,
     contexts: Any = None,
     limit: Any = None,
     mesh: Any = None,

@@ -13,19 +13,27 @@ context ever holds it whole.
 ============  ====================================================================================
 ``shard=``    what each parameter gets
 ============  ====================================================================================
-replicate     a whole copy on every context (the default)
+None          the default: ``annotations`` for a model that carries them given ``mesh=``, else
+              ``replicate``
+replicate     a whole copy on every context
+annotations   as the model's own annotations say (``nnx.with_partitioning``: ``_annotations``),
+              each name a mesh axis; leaves without one replicated
+((name, ax),  logical axis rules, as Flax writes them: the annotations with each logical name
+ ...)         mapped to mesh axes by the first rule for it (``(("embed", None), ("mlp", "model"))``)
 fsdp          leaves of at least ``FSDP_MIN_SIZE`` elements split along one axis over every
               context: the largest axis that divides by the contexts, else the largest (padded)
 {regex: ax}   the first rule whose regex matches the leaf's path (``"dense/kernel"``): an axis
               (int), None (replicated), or with ``mesh=`` a mesh axis name per array axis
               (``(None, "model")``); leaves no rule matches follow fsdp
-function      ``fn(path, leaf) -> axis, None or per-axis names``; ``leaf`` has shape and dtype
+function      ``fn(path, leaf) -> axis, None or per-axis names``; ``leaf`` (``_annotations.Leaf``)
+              has shape, dtype, ndim, size, its annotation ``names`` and its variable's ``metadata``
 ============  ====================================================================================
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import re
@@ -41,14 +49,19 @@ from jax.sharding import PartitionSpec as P
 
 from .._spmd import AXIS, from_host, to_host
 from .._spmd import mesh as line_mesh
+from ._annotations import Leaf, annotations, check_rules, is_rules, mesh_names, warn_misfits
 from ._checkpoint_tree import Padded
 
 FSDP_MIN_SIZE = 1024
 """Leaves with fewer elements than this are replicated by ``shard="fsdp"`` (biases, norms): their
 share would be smaller than the bookkeeping of splitting them."""
 
-SHARDS = ("replicate", "fsdp")
+SHARDS = ("replicate", "fsdp", "annotations")
 _EXAMPLE = "shard='fsdp', shard={'dense/kernel': 1}, or shard=lambda path, leaf: 0"
+_MAY_GIVE = (
+    "a rule gives an array axis (int) to split over every context, None to replicate, or with mesh= "
+    "one mesh axis name, None or a tuple of names per array axis, each mesh axis once, e.g. (None, 'model')"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +161,23 @@ def mesh_axes(mesh: Any, n: int, where: str) -> dict[str, int]:
 
 def plan(shapes: Any, shard: Any, mesh: Any, n: int, where: str) -> Plan:
     """The layout of every parameter of ``shapes`` (arrays or ShapeDtypeStructs) over ``n``
-    contexts, from ``shard=`` and ``mesh=``; errors name the rule or leaf at fault."""
+    contexts, from ``shard=`` and ``mesh=`` (and the model's own annotations: ``_annotations``);
+    errors name the leaf, the rule at fault and what a rule may give."""
     axes = mesh_axes(mesh, n, where)
     batch_axis = "data" if "data" in axes else next(iter(axes))
-    choose = _chooser(shard, where)
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    leaves = annotations(shapes)
+    annotated = any(leaf.names is not None for leaf in leaves)
+    if shard is None:  # shard= not given: the model's own annotations, where it has them, with mesh=
+        shard = "annotations" if annotated and mesh is not None else "replicate"
+    choose = _chooser(shard, where, annotated, axes)
+    if shard == "annotations" or is_rules(shard):
+        warn_misfits([leaf_path(path) for path, _ in flat], leaves, where)
     out = []
-    for path, leaf in flat:
+    for (path, _), leaf in zip(flat, leaves, strict=True):
         name = leaf_path(path)
-        shape, dtype = tuple(np.shape(leaf)), leaf.dtype
-        out.append(_layout(name, shape, dtype, choose(name, jax.ShapeDtypeStruct(shape, dtype)), axes, where))
+        choice, rule = choose(name, leaf)
+        out.append(_layout(name, leaf.shape, leaf.dtype, choice, rule, axes, where))
     if isinstance(shard, Mapping):
         _check_rules_used(shard, [lay.path for lay in out], where)
     return Plan(axes, batch_axis, jax.tree_util.tree_unflatten(treedef, out), shard)
@@ -176,14 +196,18 @@ def _fsdp(shape: tuple[int, ...], parts: int) -> int | None:
 _FSDP = object()  # a chooser's answer: do what fsdp does
 
 
-def _chooser(shard: Any, where: str) -> Callable[[str, Any], Any]:
-    """``shard=`` as a function (path, leaf) -> an axis, None, per-axis names, or ``_FSDP``."""
+def _chooser(shard: Any, where: str, annotated: bool, axes: dict) -> Callable[[str, Leaf], tuple]:
+    """``shard=`` as a function (path, leaf) -> (an axis, None, per-axis names or ``_FSDP``; the
+    rule that gave it, for messages)."""
     if isinstance(shard, str):
         if shard not in SHARDS:
             raise ValueError(
                 f"{where}: shard={shard!r} is not known; use one of {list(SHARDS)} or {_EXAMPLE}"
             )
-        return (lambda name, leaf: None) if shard == "replicate" else (lambda name, leaf: _FSDP)
+        if shard == "annotations":
+            return _by_annotation((), where, axes)
+        answer = None if shard == "replicate" else _FSDP
+        return lambda name, leaf: (answer, f"shard={shard!r}")
     if isinstance(shard, Mapping):
         rules = []
         for pattern, value in shard.items():
@@ -195,19 +219,58 @@ def _chooser(shard: Any, where: str) -> Callable[[str, Any], Any]:
                     "{regex on the leaf's path: axis}, e.g. {'kernel$': 1}"
                 ) from None
 
-        def by_rule(name: str, leaf: Any) -> Any:
+        def by_rule(name: str, leaf: Leaf) -> tuple:
             for regex, value in rules:
                 if regex.search(name):
-                    return value
-            return _FSDP
+                    return value, f"shard rule {regex.pattern!r}"
+            return _FSDP, "shard='fsdp' (no rule matches)"
 
         return by_rule
+    if is_rules(shard):
+        if not annotated:
+            raise ValueError(
+                f"{where}: shard={shard!r:.80} gives logical axis rules, but no leaf of params carries a "
+                "sharding annotation (nnx.with_partitioning); annotate the model, or give regex rules "
+                "on the leaves' paths, e.g. {'kernel': (None, 'model')}"
+            )
+        return _by_annotation(check_rules(shard, where), where, axes)
     if callable(shard):
-        return shard
+        _check_arity(shard, where)
+        what = f"shard function {getattr(shard, '__qualname__', None) or type(shard).__name__}"
+        return lambda name, leaf: (shard(name, leaf), what)
     raise TypeError(
-        f"{where}: shard must be 'replicate', 'fsdp', a dict of rules or a function; got "
-        f"{type(shard).__name__} {shard!r:.80}; e.g. {_EXAMPLE}"
+        f"{where}: shard must be 'replicate', 'fsdp', a dict of rules, logical axis rules or a function; "
+        f"got {type(shard).__name__} {shard!r:.80}; e.g. {_EXAMPLE}"
     )
+
+
+def _by_annotation(rules: tuple, where: str, axes: dict) -> Callable[[str, Leaf], tuple]:
+    """Each leaf as its annotation says (its names mapped to mesh axes by ``rules``); leaves
+    without one replicated."""
+
+    def choose(name: str, leaf: Leaf) -> tuple:
+        if leaf.names is None:
+            return None, "no annotation"
+        return mesh_names(name, leaf, rules, axes, where), f"its annotation {leaf.names!r}"
+
+    return choose
+
+
+def _check_arity(fn: Callable, where: str) -> None:
+    """A rule function must take (path, leaf): said before it is ever called."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its call will say
+        return
+    try:
+        signature.bind("path", "leaf")
+    except TypeError:
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        raise TypeError(
+            f"{where}: the shard function {name}{signature} cannot be called as fn(path, leaf); a rule "
+            f"function takes the leaf's path ('dense/kernel') and the leaf (its shape, dtype and "
+            f"annotation), e.g. shard=lambda path, leaf: 0 if leaf.ndim == 2 else None; {_MAY_GIVE}"
+        ) from None
 
 
 def _check_rules_used(rules: Mapping, paths: list[str], where: str) -> None:
@@ -220,8 +283,11 @@ def _check_rules_used(rules: Mapping, paths: list[str], where: str) -> None:
             )
 
 
-def _layout(name: str, shape: tuple, dtype: Any, choice: Any, axes: dict, where: str) -> LeafLayout:
-    """One leaf's layout from a chooser's answer (checked against the leaf and the mesh)."""
+def _layout(
+    name: str, shape: tuple, dtype: Any, choice: Any, rule: str, axes: dict, where: str
+) -> LeafLayout:
+    """One leaf's layout from a chooser's answer (checked against the leaf and the mesh); errors
+    name the leaf, the ``rule`` that gave the answer and what a rule may give."""
     if choice is _FSDP:
         choice = _fsdp(shape, math.prod(axes.values()))
     spec: list = [None] * len(shape)
@@ -229,26 +295,26 @@ def _layout(name: str, shape: tuple, dtype: Any, choice: Any, axes: dict, where:
         choice = (choice,)
     elif isinstance(choice, numbers.Integral) and not isinstance(choice, bool):
         choice = int(choice)  # numpy integers too
+    said = f"(given by {rule}); {_MAY_GIVE}"
     if isinstance(choice, bool) or (choice is not None and not isinstance(choice, int | tuple | list | P)):
-        raise TypeError(
-            f"{where}: the layout of {name!r} is {choice!r:.80}; give an axis (int), None to replicate, "
-            "or with mesh= one mesh axis name (or None) per array axis, e.g. (None, 'model')"
-        )
+        raise TypeError(f"{where}: the layout of {name!r} is {choice!r:.80} {said}")
     if isinstance(choice, int):
         if not shape:
             raise ValueError(
                 f"{where}: axis {choice} for {name!r}: the leaf is a scalar, which cannot be split; "
-                "give None to replicate it"
+                f"give None to replicate it {said}"
             )
         if not -len(shape) <= choice < len(shape):
             raise ValueError(
                 f"{where}: axis {choice} for {name!r} is out of range: the leaf has shape {shape} "
                 f"({len(shape)} axes); give an axis from {-len(shape)} to {len(shape) - 1}, or None "
-                "to replicate it"
+                f"to replicate it {said}"
             )
         spec[choice % len(shape)] = tuple(axes)
     elif choice is not None:
-        spec = _named_spec(name, shape, tuple(choice), axes, where)
+        spec = _named_spec(
+            name, shape, tuple(choice), axes, f"{where}: the layout {tuple(choice)} of {name!r}", said
+        )
     padded = tuple(
         d if not names else -(-d // (p := math.prod(axes[a] for a in names))) * p
         for d, names in zip(shape, spec, strict=True)
@@ -256,22 +322,40 @@ def _layout(name: str, shape: tuple, dtype: Any, choice: Any, axes: dict, where:
     return LeafLayout(name, shape, np.dtype(dtype), tuple(spec), padded)
 
 
-def _named_spec(name: str, shape: tuple, choice: tuple, axes: dict, where: str) -> list:
+def _named_spec(name: str, shape: tuple, choice: tuple, axes: dict, what: str, said: str) -> list:
+    """Per array axis: None or the mesh axes it is split over (each at most once in the leaf)."""
     if len(choice) > len(shape):
         raise ValueError(
-            f"{where}: the layout {choice} of {name!r} names {len(choice)} axes, but the leaf has "
-            f"shape {shape}; give at most {len(shape)} entries"
+            f"{what} names {len(choice)} axes, but the leaf has shape {shape}; give at most "
+            f"{len(shape)} entries {said}"
         )
     spec: list = []
-    for entry in choice + (None,) * (len(shape) - len(choice)):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    for i, entry in enumerate(choice + (None,) * (len(shape) - len(choice))):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        if not isinstance(names, tuple | list) or not all(isinstance(a, str) for a in names):
+            hint = (
+                f"; to split array axis {i} over every context give {i} alone"
+                if isinstance(entry, int)
+                else ""
+            )
+            raise TypeError(
+                f"{what}: entry {entry!r} for array axis {i} is not a mesh axis name (axes: "
+                f"{list(axes)}){hint} {said}"
+            )
         unknown = [a for a in names if a not in axes]
         if unknown:
             raise ValueError(
-                f"{where}: the layout {choice} of {name!r} names mesh axis {unknown[0]!r}, which the mesh "
-                f"does not have (axes: {list(axes)}); use one of them, e.g. (None, {list(axes)[-1]!r})"
+                f"{what} names mesh axis {unknown[0]!r}, which the mesh does not have (axes: "
+                f"{list(axes)}); use one of them, e.g. (None, {list(axes)[-1]!r}) {said}"
             )
-        spec.append(names or None)
+        twice = [a for a in names if a in {b for got in spec for b in got or ()} or names.count(a) > 1]
+        if twice:
+            raise ValueError(
+                f"{what} names mesh axis {twice[0]!r} twice; a mesh axis splits at most one array "
+                f"axis of a leaf, once: split another axis over another mesh axis, e.g. "
+                f"(None, {twice[0]!r}) {said}"
+            )
+        spec.append(tuple(names) or None)
     return spec
 
 
@@ -290,6 +374,12 @@ class Placement:
         self.split = NamedSharding(self.mesh, P(plan.batch_axis))
         self.batch_parts = plan.axes[plan.batch_axis]
         self.params = jax.tree_util.tree_map(self.sharding, plan.leaves)
+
+    def in_force(self) -> Any:
+        """A context manager that makes this mesh the one in force (``jax.set_mesh``), so that a
+        loss function may name its axes (``jax.lax.with_sharding_constraint(x, P("data",
+        "model"))``) while the step is traced and run."""
+        return mesh_in_force(self.mesh)
 
     def batch_sharding(self, ax: int | None) -> NamedSharding:
         """The sharding of a batch leaf split along axis 0 (``ax=0``) or on every context (None)."""
@@ -470,6 +560,13 @@ class Placement:
     def plan_shapes(self) -> Any:
         """The parameters' (unpadded) shapes and dtypes."""
         return shapes_of(self.plan.leaves)
+
+
+def mesh_in_force(mesh: Mesh) -> Any:
+    """``jax.set_mesh(mesh)`` as a context manager (``jax.sharding.use_mesh`` where JAX has no
+    ``set_mesh``)."""
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    return set_mesh(mesh)
 
 
 def own_leaf(lay: LeafLayout, x: jax.Array) -> Any:

@@ -95,7 +95,8 @@ def spmd_step(
     ``precision``: the loss function's compute dtype (``_precision``). With ``"fp16"`` the step
     takes ``alive`` (None where not gated) and the ``LossScale``, and returns the next one.
     ``layout``: a ``Placement`` (``shard=``): parameters and optimizer state stored split (and
-    padded) as it says, the batch split over its batch axis; None: replicated."""
+    padded) as it says, the batch split over its batch axis, the step traced and run with its
+    mesh in force (``InForce``); None: replicated."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
     state, groups = (rep, rep), len(devices)
     if layout is not None:
@@ -123,12 +124,32 @@ def spmd_step(
         return StepOut(params, opt_state, loss, ok, aux, scale)
 
     extra = 2 if precision == "fp16" else int(gated)
-    return jax.jit(
+    program = jax.jit(
         step,
         in_shardings=(*state, split, rep, rep) + (rep,) * extra,
         out_shardings=StepOut(*state, rep, rep, rep, rep),
         donate_argnums=(0, 1),
     )
+    return program if layout is None else InForce(program, layout.in_force)
+
+
+class InForce:
+    """A jitted program traced, lowered and run with a mesh in force (``Placement.in_force``):
+    the loss function may name the mesh's axes (``with_sharding_constraint(x, P("data",
+    "model"))``), and each call finds the trace it made (JAX keys traces by the mesh in force)."""
+
+    __slots__ = ("in_force", "program")
+
+    def __init__(self, program: Callable, in_force: Callable):
+        self.program, self.in_force = program, in_force
+
+    def __call__(self, *args: Any) -> Any:
+        with self.in_force():
+            return self.program(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with self.in_force():
+            return self.program.lower(*args)
 
 
 def copied(tree: Any, target: jax.sharding.Sharding) -> Any:

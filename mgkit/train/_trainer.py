@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -73,17 +74,25 @@ class Trainer(Checkpointing):
         goes on from the newest one.
       prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
         places each batch when the step needs it.
-      shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (default:
-        whole on each), ``"fsdp"`` (every leaf of at least 1,024 elements split along
+      shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (whole on
+        each), ``"fsdp"`` (every leaf of at least 1,024 elements split along
         one axis over every context, padded where the axis does not divide; each optimizer-state
         leaf like its parameter), a dict ``{regex on the leaf's path ("dense/kernel"): axis or
         None}`` (first match wins; leaves no rule matches follow fsdp; a rule that matches
-        nothing is an error), or a function ``(path, leaf) -> axis or None``. Needs distinct
-        devices of one kind. A state over the devices' memory limit raises before allocating.
+        nothing is an error), a function ``(path, leaf) -> axis or None`` (``leaf`` has shape,
+        dtype, its annotation ``names`` and ``metadata``), ``"annotations"`` (as a Flax model's
+        own sharding annotations say: ``nnx.with_partitioning``), or Flax-style logical axis
+        rules mapping the annotations' logical names to mesh axes
+        (``(("embed", None), ("mlp", "model"))``). None (default): ``"annotations"`` for an
+        annotated model given ``mesh=``, else ``"replicate"``. Needs distinct devices of one
+        kind. A state over the devices' memory limit raises before allocating.
       mesh: the contexts arranged on named axes, ``{"data": 2, "model": 4}`` (sizes multiply to
         the contexts), for tensor parallelism: rules give a leaf's split per array axis
         (``{"w1": (None, "model")}``; an int axis splits over every mesh axis), the batch's rows
-        are split over ``"data"`` (else the first axis). None: one axis over all contexts.
+        are split over ``"data"`` (else the first axis). This mesh is the one in force
+        (``jax.set_mesh``) while the step is traced and run, so the loss may name its axes
+        (``jax.lax.with_sharding_constraint(x, P("data", "model"))``). None: one axis over all
+        contexts.
 
     Attributes ``params``, ``opt_state`` and ``step`` are always those of the last completed
     step; ``history`` is the last fit's ``History``.
@@ -105,7 +114,7 @@ class Trainer(Checkpointing):
         every: int = 100,
         keep: int | None = 3,
         prefetch: int = 2,
-        shard: Any = "replicate",
+        shard: Any = None,
         mesh: Any = None,
     ):
         check_loss_fn(loss_fn, _WHERE)
@@ -345,15 +354,16 @@ class Trainer(Checkpointing):
         batch = (placed[0] if placed[0] is not None else placed[1]) if self.spmd else placed[0][0]
         structure = jax.tree_util.tree_structure(batch)
         if structure not in self._checked:
-            check_loss_on(
-                self._loss,
-                self._params if self._layout is None else self._layout.plan_shapes(),  # unpadded
-                batch,
-                self._key,
-                self.has_aux,
-                _WHERE,
-                "failed on the first batch",
-            )
+            with nullcontext() if self._layout is None else self._layout.in_force():
+                check_loss_on(
+                    self._loss,
+                    self._params if self._layout is None else self._layout.plan_shapes(),  # unpadded
+                    batch,
+                    self._key,
+                    self.has_aux,
+                    _WHERE,
+                    "failed on the first batch",
+                )
             self._checked.add(structure)
 
     # -- fitting -----------------------------------------------------------------------------
