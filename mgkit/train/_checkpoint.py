@@ -33,7 +33,7 @@ from . import _checkpoint_tree as _tree
 _INSTALL = "pip install 'mgkit[checkpoint]'"
 
 
-def _orbax(where: str):
+def import_orbax(where: str):
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
@@ -41,9 +41,9 @@ def _orbax(where: str):
             f"{where}: checkpoints need the optional package orbax-checkpoint, which is not installed;"
             f" install it with {_INSTALL} (or pip install 'orbax-checkpoint>=0.11')"
         ) from e
-    if not _ORBAX_LOGS.folder:  # orbax logs through absl's logger
-        _ORBAX_LOGS.folder = str(Path(ocp.__file__).parent)
-        logging.getLogger("absl").addFilter(_ORBAX_LOGS)
+    if not ORBAX_LOGS.folder:  # orbax logs through absl's logger
+        ORBAX_LOGS.folder = str(Path(ocp.__file__).parent)
+        logging.getLogger("absl").addFilter(ORBAX_LOGS)
     return ocp
 
 
@@ -99,7 +99,7 @@ class _OrbaxLogs(logging.Filter):
             self.busy -= 1
 
 
-_ORBAX_LOGS = _OrbaxLogs()
+ORBAX_LOGS = _OrbaxLogs()
 
 
 def _writable_folder(directory: Any, where: str) -> Path:
@@ -163,7 +163,7 @@ class Checkpoints:
         self.where = where
         self.every = whole(every, "every", where, lo=1, example=100, note="save every `every` steps")
         self.keep = None if keep is None else whole(keep, "keep", where, lo=1, example=3, note="or None: all")
-        self._ocp = ocp = _orbax(where)
+        self._ocp = ocp = import_orbax(where)
         self.directory = path = _writable_folder(directory, where)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # pruned here, among mgkit's own steps only (orbax's counts any)
@@ -172,7 +172,7 @@ class Checkpoints:
             # failure left orbax's threads of that save waiting for it for twenty minutes
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
-        with _ORBAX_LOGS.held():
+        with ORBAX_LOGS.held():
             self._manager = ocp.CheckpointManager(path, options=options)
         self._closed, self._saving = False, None
         self._named: set[str] = set()  # other tools' step folders already named in a warning
@@ -196,16 +196,16 @@ class Checkpoints:
             )
         step, self._saving = self._saving, None
         try:
-            with _ORBAX_LOGS.held():
+            with ORBAX_LOGS.held():
                 self._manager.wait_until_finished()
         except Exception as e:
             raise self._failed(step, e) from e
         finally:
             if step is not None:  # the save's own hold, taken when it started
-                _ORBAX_LOGS.busy -= 1
+                ORBAX_LOGS.busy -= 1
         if step is not None and self.keep is not None:  # the oldest of mgkit's own beyond keep
             for old in _steps.listing(self.directory).ours[: -self.keep]:
-                with _ORBAX_LOGS.held():
+                with ORBAX_LOGS.held():
                     self._manager.delete(old)
 
     def others(self) -> list[str]:
@@ -237,7 +237,7 @@ class Checkpoints:
         """Renames mgkit's damaged checkpoint of ``step`` to ``<step>.damaged`` (orbax then ignores it)."""
         folder = self.directory / str(step)
         aside = _steps.set_aside(folder)
-        with _ORBAX_LOGS.held():
+        with ORBAX_LOGS.held():
             self._manager.reload()
         warnings.warn(
             f"{self.where}: the checkpoint folder '{folder}' (step {step}) is damaged ({why}); it is"
@@ -291,12 +291,12 @@ class Checkpoints:
         }
         meta = {"format": _steps.FORMAT, "json": json_entries, "trees": sorted(trees), "leaves": manifest}
         saves[_steps.MARK] = ocp.args.JsonSave(meta | {"items": sorted(items)})
-        with _ORBAX_LOGS.held():
+        with ORBAX_LOGS.held():
             try:
                 self._manager.save(step, args=ocp.args.Composite(**saves), force=True)
             except Exception as e:
                 raise self._failed(step, e) from e
-        _ORBAX_LOGS.busy += 1  # held until `wait` has seen the save end: its threads may log
+        ORBAX_LOGS.busy += 1  # held until `wait` has seen the save end: its threads may log
         self._saving = step
 
     def restore(self, like: dict, step: int | None = None) -> dict:
@@ -408,7 +408,7 @@ class Checkpoints:
         """orbax's restore of ``args`` at ``step``; a checkpoint with missing or garbled files raises
         _steps.DamagedError."""
         try:
-            with _ORBAX_LOGS.held():
+            with ORBAX_LOGS.held():
                 return self._manager.restore(step, args=args)
         except Exception as e:
             damaged = _steps.damage(e, self.directory / str(step))
@@ -423,7 +423,7 @@ class Checkpoints:
                 self.wait()
             finally:
                 self._closed = True
-                with _ORBAX_LOGS.held():
+                with ORBAX_LOGS.held():
                     self._manager.close()
 
     def __enter__(self) -> Checkpoints:

@@ -78,15 +78,19 @@ class DamagedError(Exception):
         self.why = why
 
 
-def damage(e: Exception, folder: Path) -> DamagedError | None:
+def damage(e: BaseException | None, folder: Path) -> DamagedError | None:
     """``e`` as a damaged checkpoint when it says that files of ``folder`` are missing, cut short
     or garbled (tensorstore's codes for that, naming a file in the folder), else None: an error
     that says nothing of the files (out of memory, a device error) never marks a step damaged."""
-    text = f"{type(e).__name__}: {e}"
-    missing = isinstance(e, FileNotFoundError | KeyError | json.JSONDecodeError)
-    garbled = any(text.startswith(f"ValueError: {code}") for code in _DAMAGE_CODES) and str(folder) in text
-    if missing or garbled or "DATA_LOSS" in text:
-        return DamagedError(text if len(text) <= 200 else text[:200] + "...")
+    while e is not None:  # orbax wraps tensorstore's error: look at each cause
+        text = f"{type(e).__name__}: {e}"
+        missing = isinstance(e, FileNotFoundError | KeyError | json.JSONDecodeError)
+        garbled = (
+            any(text.startswith(f"ValueError: {code}") for code in _DAMAGE_CODES) and str(folder) in text
+        )
+        if missing or garbled or "DATA_LOSS" in text:
+            return DamagedError(text if len(text) <= 200 else text[:200] + "...")
+        e = e.__cause__ or e.__context__
     return None
 
 
@@ -105,4 +109,3 @@ def set_aside(folder: Path) -> Path:
 def old_format(meta: dict) -> bool:
     """Whether mgkit's metadata is of a format this version does not read."""
     return meta.get("format") != FORMAT
-
