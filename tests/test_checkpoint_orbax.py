@@ -284,3 +284,40 @@ def test_a_damaged_split_checkpoint_is_set_aside_for_the_one_before(tmp_path, sp
         assert part in msg, msg
     assert again.step == 6 and (tmp_path / "4.damaged").is_dir()
     _equal(again.params, whole)
+
+
+def _bytes_per_device() -> dict:
+    """Bytes of the live buffers on each device (a shard's view of a buffer counted once)."""
+    buffers = {}
+    for a in jax.live_arrays():
+        for shard in a.addressable_shards:
+            buffers[shard.device, shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    out: dict = {}
+    for (device, _), n in buffers.items():
+        out[device] = out.get(device, 0) + n
+    return out
+
+
+def test_saving_a_split_padded_state_puts_no_whole_leaf_on_a_context(tmp_path, monkeypatch):
+    from mgkit.train import _checkpoint_tree
+
+    make = lambda: _params(n_in=1001)  # noqa: E731 - created split: no whole copy anywhere
+    tr = mg.Trainer(_loss, optax.adam(1e-2), make, shard="fsdp", checkpoint=tmp_path)
+    assert tr._params["w"].shape != (1001, 60)  # stored padded
+    assert (1001, 60) not in [a.shape for a in jax.live_arrays()]
+    before, seen = _bytes_per_device(), []
+    written = _checkpoint_tree.written
+
+    def spy(tree):
+        out = written(tree)  # what orbax is given: held until the save has copied it
+        seen.append((_bytes_per_device(), [a.shape for a in jax.live_arrays()], jax.tree.leaves(out)))
+        return out
+
+    monkeypatch.setattr(_checkpoint_tree, "written", spy)
+    tr.save()
+    assert seen
+    for per_device, shapes, leaves in seen:
+        assert (1001, 60) not in shapes  # no device holds the leaf whole
+        assert all(per_device[d] <= before[d] for d in before), (per_device, before)
+        assert any(isinstance(x, np.ndarray) and x.shape == (1001, 60) for x in leaves) or not leaves
+    tr.checkpoints.close()
