@@ -5,6 +5,7 @@ trainer starts from a user's orbax checkpoint; damaged split steps are set aside
 
 import os
 import shutil
+import textwrap
 from pathlib import Path
 
 import jax
@@ -321,3 +322,21 @@ def test_saving_a_split_padded_state_puts_no_whole_leaf_on_a_context(tmp_path, m
         assert all(per_device[d] <= before[d] for d in before), (per_device, before)
         assert any(isinstance(x, np.ndarray) and x.shape == (1001, 60) for x in leaves) or not leaves
     tr.checkpoints.close()
+
+
+def test_the_readmes_plain_orbax_snippet_reads_a_trainers_checkpoint(tmp_path, monkeypatch):
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    after = readme[readme.index("**Layout: plain orbax reads it.**") :]
+    snippet = after[
+        after.index("```python") + len("```python") : after.index("```", after.index("```python") + 9)
+    ]
+    params, optimizer = _params(), optax.sgd(0.1, momentum=0.9)
+    tr = mg.Trainer(_loss, optimizer, params, checkpoint=tmp_path / "ckpt", every=2)
+    tr.fit(_data(), steps=2, batch_size=16, progress=False)
+    tr.checkpoints.close()
+    monkeypatch.chdir(tmp_path)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    scope = {"jax": jax, "params": params, "optimizer": optimizer, "sharding": one}
+    exec(textwrap.dedent(snippet), scope)
+    _equal(scope["back"]["params"], tr.params)
+    _equal(scope["back"]["opt_state"], tr.opt_state)
