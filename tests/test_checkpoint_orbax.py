@@ -340,3 +340,19 @@ def test_the_readmes_plain_orbax_snippet_reads_a_trainers_checkpoint(tmp_path, m
     exec(textwrap.dedent(snippet), scope)
     _equal(scope["back"]["params"], tr.params)
     _equal(scope["back"]["opt_state"], tr.opt_state)
+
+
+def test_a_checkpoint_of_the_earlier_format_is_refused_with_a_clear_message(tmp_path):
+    (tmp_path / "3" / "meta").mkdir(parents=True)  # what the earlier format's step held
+    (tmp_path / "3" / "meta" / "metadata").write_text('{"format": "mgkit.train 2", "json": {}}')
+    tr = mg.Trainer(_loss, optax.sgd(0.1), _params(), checkpoint=tmp_path, every=2)
+    with pytest.raises(ValueError) as info:
+        tr.fit(_data(), steps=4, batch_size=16, resume=True, progress=False)
+    tr.checkpoints.close()
+    for part in [
+        f"Trainer: the checkpoint of step 3 in '{tmp_path}' is of an earlier mgkit format ('mgkit.train 2'",
+        "which this version does not read (it reads 'mgkit.train 3')",
+        "with the mgkit version that wrote it, or start a new checkpoint folder",
+    ]:
+        assert part in str(info.value), str(info.value)
+    assert (tmp_path / "3" / "meta" / "metadata").is_file() and tr.step == 0

@@ -337,8 +337,9 @@ class Checkpoints:
 
     def _restore(self, like: dict, step: int) -> dict:
         """The state of ``step`` in ``like``'s form; raises DamagedError where its files are damaged."""
-        ocp = self._ocp
-        meta = self._read(step, ocp.args.Composite(**{_steps.MARK: ocp.args.JsonRestore()}))[_steps.MARK]
+        meta = _steps.metadata(self.directory / str(step))
+        if meta is None:  # gone or garbled since the folder was listed
+            raise _steps.DamagedError(f"its metadata {_steps.MARK}/metadata cannot be read")
         if _steps.old_format(meta):
             raise ValueError(
                 f"{self.where}: the checkpoint of step {step} in '{self.directory}' is of an earlier mgkit"
