@@ -224,8 +224,8 @@ def test_load_orbax_names_the_first_leaf_that_differs_and_a_missing_item(tmp_pat
         tr.load_orbax(tmp_path)
     for part in [
         "Trainer.load_orbax: the orbax checkpoint item 'params' of step 5",
-        "params['w'] is an array of shape (101, 61) and dtype float32 in the checkpoint but of shape"
-        " (101, 60) and dtype float32 in the trainer",
+        "params['w'] is an array of shape (101, 61) and dtype float32 in the checkpoint but an array of"
+        " shape (101, 60) and dtype float32 in the trainer",
     ]:
         assert part in str(info.value), str(info.value)
     with pytest.raises(
@@ -242,6 +242,11 @@ def test_load_orbax_names_the_first_leaf_that_differs_and_a_missing_item(tmp_pat
     ):
         tr.load_orbax(tmp_path / "two")
     assert tr.step == 0
+    with ocp.CheckpointManager(tmp_path / "single") as manager:  # one item: orbax names it "default"
+        manager.save(7, args=ocp.args.StandardSave(params))
+    tr.load_orbax(tmp_path / "single", params="default")
+    assert tr.step == 7
+    _equal(tr.params, params)
 
 
 # --- damaged split checkpoints ---------------------------------------------------------------------

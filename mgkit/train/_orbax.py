@@ -35,35 +35,36 @@ def _shown(entry: str, path: tuple) -> str:
     return entry + "".join(f"[{n!r}]" if not n.isdigit() else f"[{n}]" for n in path)
 
 
-def _leaf(shape: Any, dtype: Any) -> str:
-    return f"shape {tuple(shape)} and dtype {np.dtype(dtype)}"
+def _leaves(tree: Any, where: str) -> list[tuple[tuple[str, ...], Any, dict]]:
+    """Each leaf of a trainer's tree: (its path as names, the leaf, its record: kind, own shape, dtype)."""
+    infos = [r for r in _tree.records({"": tree}, where)[0] if r["kind"] != "node"]
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(_names(path), x, info) for (path, x), info in zip(paths, infos, strict=True)]
 
 
-def first_difference(entry: str, like: Any, saved: Any) -> str | None:
-    """Where the trainer's tree ``like`` and orbax's metadata tree ``saved`` of it first differ
-    (a leaf missing on one side, or of another shape or dtype), in words; None when they match."""
-    ours = []
-    for path, x in jax.tree_util.tree_flatten_with_path(like)[0]:
-        shape = x.shape if isinstance(x, _tree.Padded) else np.shape(x)
-        dtype = (x.array if isinstance(x, _tree.Padded) else x).dtype if hasattr(x, "dtype") else type(x)
-        ours.append((_names(path), tuple(shape), dtype))
+def first_difference(entry: str, ours: list, saved: Any) -> str | None:
+    """Where the trainer's leaves ``ours`` (``_leaves``) and orbax's metadata tree ``saved`` first
+    differ (a leaf missing on one side, or of another shape or dtype), in words; None when they match."""
     theirs = {
         _names(path): (tuple(getattr(m, "shape", ())), getattr(m, "dtype", None))
         for path, m in jax.tree_util.tree_flatten_with_path(saved)[0]
     }
-    for names, shape, dtype in ours:
+    for names, _, info in ours:
         if names not in theirs:
-            return f"{_shown(entry, names)} (an array of {_leaf(shape, dtype)}) is not in the checkpoint"
-        got_shape, got_dtype = theirs.pop(names)
-        if got_shape != shape or (got_dtype is not None and np.dtype(got_dtype) != np.dtype(dtype)):
+            return f"{_shown(entry, names)} ({_tree.describe(info)}) is not in the checkpoint"
+        shape, dtype = theirs.pop(names)
+        if info["kind"] == "value":  # a Python number: its value is read
+            continue
+        if shape != tuple(info["shape"]) or (dtype is not None and str(np.dtype(dtype)) != info["dtype"]):
+            saved_info = info | {"shape": list(shape), "dtype": str(np.dtype(dtype or info["dtype"]))}
             return (
-                f"{_shown(entry, names)} is an array of {_leaf(got_shape, got_dtype or dtype)} in the"
-                f" checkpoint but of {_leaf(shape, dtype)} in the trainer"
+                f"{_shown(entry, names)} is {_tree.describe(saved_info)} in the checkpoint but"
+                f" {_tree.describe(info)} in the trainer"
             )
     if theirs:
         names, (shape, dtype) = next(iter(theirs.items()))
-        rest = f"(an array of {_leaf(shape, dtype)}) but not in the trainer"
-        return f"{_shown(entry, names)} is in the checkpoint {rest}"
+        rest = f"(shape {shape}, dtype {dtype}) is in the checkpoint but not in the trainer"
+        return f"{_shown(entry, names)} {rest}"
     return None
 
 
@@ -105,37 +106,34 @@ def read(directory: str | os.PathLike, step: int | None, items: dict, like: dict
                     f"{where}: the orbax checkpoint of step {step} in '{path}' has no item {item!r} (its"
                     f" items: {there}); pass {entry}= the name the tree was saved under"
                 )
-        restores = {}
+        restores, leaves = {}, {}
         for entry, item in items.items():
             with ORBAX_LOGS.held():
                 saved = ocp.StandardCheckpointHandler().metadata(path / str(step) / item).tree
-            problem = first_difference(entry, like[entry], saved)
+            leaves[entry] = _leaves(like[entry], where)
+            problem = first_difference(entry, leaves[entry], saved)
             if problem:
                 raise ValueError(
                     f"{where}: the orbax checkpoint item {item!r} of step {step} in '{path}' does not fit the"
                     f" trainer's {entry}: {problem}. Build the trainer with the model (and optimizer) the"
                     " checkpoint was saved from"
                 )
-            target = jax.tree_util.tree_map(_target, like[entry])
-            padded = any(isinstance(x, _tree.Padded) for x in jax.tree_util.tree_leaves(like[entry]))
+            structure = jax.tree_util.tree_structure(like[entry])
+            target = structure.unflatten(_tree.target(x, info) for _, x, info in leaves[entry])
+            padded = any(isinstance(x, _tree.Padded) for _, x, _ in leaves[entry])
             restores[item] = ocp.args.StandardRestore(target, strict=not padded)  # shapes checked
         with ORBAX_LOGS.held():
-            read_back = manager.restore(step, args=ocp.args.Composite(**restores))
+            if list(restores) == ["default"]:  # a single-item manager's: its args not a Composite
+                read_back = {"default": manager.restore(step, args=restores["default"])}
+            else:
+                read_back = manager.restore(step, args=ocp.args.Composite(**restores))
     finally:
         manager.close()
     out = {}
     for entry, item in items.items():
-        leaves, structure = jax.tree_util.tree_flatten(like[entry])
+        structure = jax.tree_util.tree_structure(like[entry])
         got = structure.flatten_up_to(read_back[item])
-        pad = lambda x, g: _tree.Padded(g, x.shape) if isinstance(x, _tree.Padded) else g  # noqa: E731
-        out[entry] = structure.unflatten(map(pad, leaves, got))
+        out[entry] = structure.unflatten(
+            _tree.rebuild(x, info, g) for (_, x, info), g in zip(leaves[entry], got, strict=True)
+        )
     return step, out
-
-
-def _target(x: Any) -> Any:
-    """What orbax reads a trainer's leaf into: its (stored) shape, dtype and sharding."""
-    if isinstance(x, _tree.Padded):
-        return jax.ShapeDtypeStruct(x.array.shape, x.array.dtype, sharding=x.array.sharding)
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return x
