@@ -57,9 +57,10 @@ def _plain(x: Any) -> Any:  # numpy scalars in JSON entries (a data position's i
     raise TypeError(f"{type(x).__name__} {x!r:.80}")
 
 
-def _bare(tree: Any) -> bool:
-    """Whether a tree entry is one leaf (a PRNG key): orbax's tree items need a container."""
-    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree))
+def _item(name: str, tree: Any) -> str:
+    """The orbax item a tree entry is written to: its own, or ``LEAVES`` for an entry that is one
+    array (a PRNG key: orbax's tree items need a container)."""
+    return _steps.LEAVES if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree)) else name
 
 
 def _item_tree(item: str, trees: dict) -> Any:
@@ -272,6 +273,10 @@ class Checkpoints:
                 " them, or use a new folder (e.g. checkpoint='ckpt_2/'), or empty this one"
             )
         trees = {name: value for name, value in state.items() if _is_tree(value)}
+        if taken := {_steps.MARK, _steps.LEAVES} & trees.keys():
+            raise ValueError(
+                f"{self.where}: state entry {taken.pop()!r} has a name the checkpoint keeps for itself"
+            )
         json_entries = {}
         for name in state.keys() - trees.keys():
             try:
@@ -284,11 +289,8 @@ class Checkpoints:
         manifest, _ = _tree.records(trees, self.where)
         ocp, items = self._ocp, {}
         for name, tree in trees.items():  # one orbax item per tree, the one-array trees together
-            item = _steps.LEAVES if _bare(tree) else name
-            items.setdefault(item, {})[name] = _tree.written(tree)
-        saves = {
-            item: ocp.args.StandardSave(t if item == _steps.LEAVES else t[item]) for item, t in items.items()
-        }
+            items.setdefault(_item(name, tree), {})[name] = _tree.written(tree)
+        saves = {item: ocp.args.StandardSave(_item_tree(item, t)) for item, t in items.items()}
         meta = {"format": _steps.FORMAT, "json": json_entries, "trees": sorted(trees), "leaves": manifest}
         saves[_steps.MARK] = ocp.args.JsonSave(meta | {"items": sorted(items)})
         with ORBAX_LOGS.held():
@@ -364,16 +366,11 @@ class Checkpoints:
             name: [next(saved) for _ in jax.tree_util.tree_leaves(trees[name])] for name in sorted(trees)
         }
         got = self._read_trees(step, trees, records)
-        return meta["json"] | {
-            name: jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(tree),
-                [
-                    _tree.rebuild(*x)
-                    for x in zip(jax.tree_util.tree_leaves(tree), records[name], got[name], strict=True)
-                ],
-            )
-            for name, tree in trees.items()
-        }
+        back = {}
+        for name, tree in trees.items():
+            leaves, structure = jax.tree_util.tree_flatten(tree)
+            back[name] = structure.unflatten(map(_tree.rebuild, leaves, records[name], got[name]))
+        return meta["json"] | back
 
     def _read_trees(self, step: int, trees: dict, records: dict) -> dict[str, list]:
         """Each tree's leaves as orbax reads them at ``step``, in flattening order (None where
@@ -383,11 +380,9 @@ class Checkpoints:
             leaves = jax.tree_util.tree_leaves(tree)
             if all(r["kind"] == "value" for r in records[name]):
                 continue  # nothing to read: no item, or one without arrays
-            target = [_tree.target(x, r) for x, r in zip(leaves, records[name], strict=True)]
-            item = _steps.LEAVES if _bare(tree) else name
-            restores.setdefault(item, {})[name] = jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(tree), target
-            )
+            target = jax.tree_util.tree_structure(tree).unflatten(map(_tree.target, leaves, records[name]))
+            item = _item(name, tree)
+            restores.setdefault(item, {})[name] = target
             # padded leaves are read into their padding (the records matched: shapes are checked)
             strict[item] = strict.get(item, True) and not any(isinstance(x, _tree.Padded) for x in leaves)
         args = {
@@ -397,8 +392,8 @@ class Checkpoints:
         read = self._read(step, ocp.args.Composite(**args)) if args else {}
         got = {}
         for name, tree in trees.items():
-            item = _steps.LEAVES if _bare(tree) else name
-            if item not in read:
+            item = _item(name, tree)
+            if item not in restores:  # nothing read: the records hold every leaf
                 got[name] = [None] * len(records[name])
                 continue
             back = read[item][name] if item == _steps.LEAVES else read[item]
