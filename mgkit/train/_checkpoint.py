@@ -1,14 +1,18 @@
 """The trainer's checkpoint store: a training state saved to a folder with orbax-checkpoint (an
 optional dependency, imported when a store is made), atomic (a save killed half-way leaves the
-previous checkpoint the newest complete one), asynchronous, the newest ``keep`` kept.
+previous checkpoint the newest complete one), asynchronous, the newest ``keep`` of mgkit's own
+steps kept (another tool's steps in the folder are never touched: ``_checkpoint_steps``).
 
 A state is a dict. An entry holding arrays (``params``, ``opt_state``, a PRNG key), or one that
 JSON would not give back as it is (an optimizer state of empty NamedTuples, as ``optax.sgd``'s), is
-a tree: its arrays go to orbax, and a JSON manifest (``_checkpoint_tree``) lists its every node
-(with its type) and leaf (path, shape and dtype; Python numbers by value). A restore puts the
-leaves back into the model's own tree, after naming the first node or leaf that differs. Other
-entries (``step``, the data position, a key of ``None``) are stored as JSON and come back as saved.
-A damaged newest checkpoint is moved aside (``<step>.damaged``, with a warning) for the one before.
+a tree: it is written as an orbax tree item of its own name, as it is, each leaf in its own shape
+(``_checkpoint_tree.written``), so plain orbax restores it with its own target tree; a JSON
+record (``_checkpoint_tree``) lists its every node (with its type) and leaf (path, shape and
+dtype; Python numbers by value). A restore puts the leaves back into the model's own tree, after
+naming the first node or leaf that differs. Other entries (``step``, the data position, a key of
+``None``, the loss scale) are stored as JSON in the item ``mgkit`` with the record, and come back
+as saved. A damaged newest checkpoint is moved aside (``<step>.damaged``, with a warning) for the
+one before.
 """
 
 from __future__ import annotations
