@@ -71,7 +71,8 @@ class Trainer(Checkpointing):
       checkpoint: a folder to save checkpoints in, with orbax-checkpoint
         (``pip install 'mgkit[checkpoint]'``): parameters, optimizer state, step, key and data
         position, every ``every`` steps, the newest ``keep`` kept; ``fit(..., resume=True)``
-        goes on from the newest one.
+        goes on from the newest one. Plain orbax reads them (README, "Checkpoints"); the
+        folder's other steps are never touched. ``load_orbax`` starts from a user's own.
       prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
         places each batch when the step needs it.
       shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (default:
