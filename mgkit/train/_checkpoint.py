@@ -227,8 +227,8 @@ class Checkpoints:
             self._named.update(new)
             warnings.warn(
                 f"{self.where}: the checkpoint folder '{self.directory}' holds {', '.join(map(repr, new))},"
-                " named like steps but not written by mgkit (no mgkit metadata in them): they are left"
-                " as they are, never restored, renamed, deleted nor counted toward keep. Give the"
+                " named like steps but not written by mgkit (no readable mgkit metadata in them): they"
+                " are left as they are, never restored, renamed, deleted nor counted toward keep. Give the"
                 " trainer a folder of its own (checkpoint='ckpt_2/'); to start from an orbax checkpoint"
                 " of parameters, see Trainer.load_orbax",
                 UserWarning,
