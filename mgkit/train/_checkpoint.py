@@ -1,20 +1,23 @@
 """The trainer's checkpoint store: a training state saved to a folder with orbax-checkpoint (an
 optional dependency, imported when a store is made), atomic (a save killed half-way leaves the
-previous checkpoint the newest complete one), asynchronous, the newest ``keep`` kept.
+previous checkpoint the newest complete one), asynchronous, the newest ``keep`` of mgkit's own
+steps kept (another tool's steps in the folder are never touched: ``_checkpoint_steps``).
 
 A state is a dict. An entry holding arrays (``params``, ``opt_state``, a PRNG key), or one that
 JSON would not give back as it is (an optimizer state of empty NamedTuples, as ``optax.sgd``'s), is
-a tree: its arrays go to orbax, and a JSON manifest (``_checkpoint_tree``) lists its every node
-(with its type) and leaf (path, shape and dtype; Python numbers by value). A restore puts the
-leaves back into the model's own tree, after naming the first node or leaf that differs. Other
-entries (``step``, the data position, a key of ``None``) are stored as JSON and come back as saved.
-A damaged newest checkpoint is moved aside (``<step>.damaged``, with a warning) for the one before.
+a tree: it is written as an orbax tree item of its own name, as it is, each leaf in its own shape
+(``_checkpoint_tree.written``), so plain orbax restores it with its own target tree; a JSON
+record (``_checkpoint_tree``) lists its every node (with its type) and leaf (path, shape and
+dtype; Python numbers by value). A restore puts the leaves back into the model's own tree, after
+naming the first node or leaf that differs. Other entries (``step``, the data position, a key of
+``None``, the loss scale) are stored as JSON in the item ``mgkit`` with the record, and come back
+as saved. A damaged newest checkpoint is moved aside (``<step>.damaged``, with a warning) for the
+one before.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import os
@@ -28,12 +31,13 @@ import numpy as np
 
 from mgkit._numbers import whole
 
+from . import _checkpoint_steps as _steps
 from . import _checkpoint_tree as _tree
 
 _INSTALL = "pip install 'mgkit[checkpoint]'"
 
 
-def _orbax(where: str):
+def import_orbax(where: str):
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
@@ -41,9 +45,9 @@ def _orbax(where: str):
             f"{where}: checkpoints need the optional package orbax-checkpoint, which is not installed;"
             f" install it with {_INSTALL} (or pip install 'orbax-checkpoint>=0.11')"
         ) from e
-    if not _ORBAX_LOGS.folder:  # orbax logs through absl's logger
-        _ORBAX_LOGS.folder = str(Path(ocp.__file__).parent)
-        logging.getLogger("absl").addFilter(_ORBAX_LOGS)
+    if not ORBAX_LOGS.folder:  # orbax logs through absl's logger
+        ORBAX_LOGS.folder = str(Path(ocp.__file__).parent)
+        logging.getLogger("absl").addFilter(ORBAX_LOGS)
     return ocp
 
 
@@ -57,6 +61,17 @@ def _plain(x: Any) -> Any:  # numpy scalars in JSON entries (a data position's i
     raise TypeError(f"{type(x).__name__} {x!r:.80}")
 
 
+def _item(name: str, tree: Any) -> str:
+    """The orbax item a tree entry is written to: its own, or ``LEAVES`` for an entry that is one
+    array (a PRNG key: orbax's tree items need a container)."""
+    return _steps.LEAVES if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tree)) else name
+
+
+def _item_tree(item: str, trees: dict) -> Any:
+    """What an orbax item holds of its trees (by name): the one-array entries together, else the one tree."""
+    return trees if item == _steps.LEAVES else trees[item]
+
+
 def _is_tree(value: Any) -> bool:
     """Whether a state entry is saved as a tree (its structure kept), not as JSON: it holds arrays,
     or it has numbers only but would not come back from JSON as it is (an optimizer state of
@@ -65,23 +80,6 @@ def _is_tree(value: Any) -> bool:
         return True
     numbers = all(isinstance(x, bool | int | float | str) for x in jax.tree_util.tree_leaves(value))
     return numbers and not _tree.is_json(value)
-
-
-class _DamagedError(Exception):
-    """A checkpoint folder that orbax cannot read: ``why`` says what is wrong with it."""
-
-    def __init__(self, why: str):
-        super().__init__(why)
-        self.why = why
-
-
-def _damage(e: Exception) -> _DamagedError | None:
-    """``e`` as a damaged checkpoint when it says that files are missing or unreadable, else None."""
-    text = f"{type(e).__name__}: {e}"
-    missing = isinstance(e, FileNotFoundError | KeyError | json.JSONDecodeError)
-    if missing or any(code in text for code in ("NOT_FOUND", "DATA_LOSS")):
-        return _DamagedError(text if len(text) <= 200 else text[:200] + "...")
-    return None
 
 
 class _OrbaxLogs(logging.Filter):
@@ -106,29 +104,7 @@ class _OrbaxLogs(logging.Filter):
             self.busy -= 1
 
 
-_ORBAX_LOGS = _OrbaxLogs()
-
-
-def _looks_damaged(folder: Path) -> str | None:
-    """Why a step folder is not a whole checkpoint, from its files alone; None when it looks whole
-    (files missing deeper down are found by the restore)."""
-    if not folder.exists():  # gone since orbax listed it: nothing to set aside
-        return None
-    if not folder.is_dir():
-        return "it is not a folder"
-    meta = folder / "meta" / "metadata"
-    if not meta.is_file():
-        return "it holds no manifest meta/metadata" if any(folder.iterdir()) else "it is empty"
-    try:
-        leaves = json.loads(meta.read_text())["leaves"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"its manifest meta/metadata cannot be read: {type(e).__name__}: {e}"
-    arrays = folder / "arrays"
-    if any(r["kind"] not in ("node", "value") for r in leaves) and not (
-        arrays.is_dir() and any(arrays.iterdir())
-    ):
-        return "its array files (arrays/) are missing"
-    return None
+ORBAX_LOGS = _OrbaxLogs()
 
 
 def _writable_folder(directory: Any, where: str) -> Path:
@@ -168,10 +144,17 @@ class Checkpoints:
     ``save`` returns once the arrays are copied off the devices (they may then be donated) and
     writes in the background; a new ``save``, ``latest``, ``restore``, ``wait`` and ``close``
     first wait for the save in flight. A save that fails raises a RuntimeError (from ``save`` or
-    the next call) and leaves no orbax thread running. A damaged newest checkpoint (an empty
-    step folder, its arrays gone) is moved aside to ``<step>.damaged`` with a warning, and the
-    newest complete one is used. While the store works, orbax's own log records are held back:
-    its errors reach the caller as the store's. A context manager: leaving it closes the store.
+    the next call) and leaves no orbax thread running. A damaged newest checkpoint (its array
+    files missing, cut short or garbled) is moved aside to ``<step>.damaged`` with a warning, and
+    the newest complete one is used. Only mgkit's own step folders (``_checkpoint_steps``) are
+    ever renamed or deleted (``keep``): another tool's steps in the folder are left as they are
+    and named in a warning. While the store works, orbax's own log records are held back: its
+    errors reach the caller as the store's. A context manager: leaving it closes the store.
+
+    Each step is an orbax step folder that plain orbax reads: one item per tree entry, named by
+    it (``params``, ``opt_state``), holding the tree as it is with every leaf in its own shape; the
+    entries that are one array each (a PRNG key, as its key data) in the item ``mgkit_leaves``;
+    and mgkit's metadata (the other entries, the trees' record) in the JSON item ``mgkit``.
 
     >>> import jax.numpy as jnp, tempfile
     >>> with tempfile.TemporaryDirectory() as d, Checkpoints(d, every=10) as ck:
@@ -185,18 +168,19 @@ class Checkpoints:
         self.where = where
         self.every = whole(every, "every", where, lo=1, example=100, note="save every `every` steps")
         self.keep = None if keep is None else whole(keep, "keep", where, lo=1, example=3, note="or None: all")
-        self._ocp = ocp = _orbax(where)
+        self._ocp = ocp = import_orbax(where)
         self.directory = path = _writable_folder(directory, where)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep,
+            max_to_keep=None,  # pruned here, among mgkit's own steps only (orbax's counts any)
             enable_async_checkpointing=True,
             # a step folder that cannot be made fails the save here: made in the background, its
             # failure left orbax's threads of that save waiting for it for twenty minutes
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
         )
-        with _ORBAX_LOGS.held():
+        with ORBAX_LOGS.held():
             self._manager = ocp.CheckpointManager(path, options=options)
         self._closed, self._saving = False, None
+        self._named: set[str] = set()  # other tools' step folders already named in a warning
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` (after it completes) is one to save: a positive multiple of ``every``."""
@@ -217,32 +201,48 @@ class Checkpoints:
             )
         step, self._saving = self._saving, None
         try:
-            with _ORBAX_LOGS.held():
+            with ORBAX_LOGS.held():
                 self._manager.wait_until_finished()
         except Exception as e:
             raise self._failed(step, e) from e
         finally:
             if step is not None:  # the save's own hold, taken when it started
-                _ORBAX_LOGS.busy -= 1
+                ORBAX_LOGS.busy -= 1
+        if step is not None and self.keep is not None:  # the oldest of mgkit's own beyond keep
+            for old in _steps.listing(self.directory).ours[: -self.keep]:
+                with ORBAX_LOGS.held():
+                    self._manager.delete(old)
+
+    def others(self) -> list[str]:
+        """The names of the folder's entries named like steps that mgkit did not write (another
+        tool's orbax steps, stray folders or files): never renamed, moved, deleted nor restored."""
+        return _steps.listing(self.directory).others
 
     def _steps(self) -> list[int]:
-        """The steps of the folder's checkpoints, oldest first, after setting aside a damaged newest."""
+        """The steps of the folder's mgkit checkpoints, oldest first, after setting aside a damaged
+        newest; another tool's step folders are named in a warning (once per store) and left alone."""
         self.wait()
-        steps = sorted(self._manager.all_steps())
-        while steps and (why := _looks_damaged(self.directory / str(steps[-1]))):
+        steps, others = _steps.listing(self.directory)
+        if new := [name for name in others if name not in self._named]:
+            self._named.update(new)
+            warnings.warn(
+                f"{self.where}: the checkpoint folder '{self.directory}' holds {', '.join(map(repr, new))},"
+                " named like steps but not written by mgkit (no readable mgkit metadata in them): they"
+                " are left as they are, never restored, renamed, deleted nor counted toward keep. Give the"
+                " trainer a folder of its own (checkpoint='ckpt_2/'); to start from an orbax checkpoint"
+                " of parameters, see Trainer.load_orbax",
+                UserWarning,
+                stacklevel=4,
+            )
+        while steps and (why := _steps.looks_damaged(self.directory / str(steps[-1]))):
             self._set_aside(steps.pop(), why)
         return steps
 
     def _set_aside(self, step: int, why: str) -> None:
-        """Renames the damaged checkpoint of ``step`` to ``<step>.damaged`` (orbax then ignores it)."""
+        """Renames mgkit's damaged checkpoint of ``step`` to ``<step>.damaged`` (orbax then ignores it)."""
         folder = self.directory / str(step)
-        for n in itertools.count():
-            aside = folder.with_name(f"{step}.damaged" + (f"-{n}" if n else ""))
-            if not aside.exists():
-                break
-        if folder.exists():
-            folder.rename(aside)
-        with _ORBAX_LOGS.held():
+        aside = _steps.set_aside(folder)
+        with ORBAX_LOGS.held():
             self._manager.reload()
         warnings.warn(
             f"{self.where}: the checkpoint folder '{folder}' (step {step}) is damaged ({why}); it is"
@@ -264,6 +264,12 @@ class Checkpoints:
         step = whole(step, "step", f"{self.where}: saving a checkpoint", lo=0, example=100)
         _writable_folder(self.directory, self.where)  # still a folder one can write in
         latest = self.latest()
+        if str(step) in self.others():
+            raise ValueError(
+                f"{self.where}: the checkpoint folder '{self.directory}' already holds '{step}', not written"
+                f" by mgkit, where step {step} would be saved; mgkit leaves it as it is. Give the trainer a"
+                " folder of its own (e.g. checkpoint='ckpt_2/')"
+            )
         if latest is not None and step <= latest:
             raise ValueError(
                 f"{self.where}: the checkpoint folder '{self.directory}' already holds step {latest}, not"
@@ -271,6 +277,10 @@ class Checkpoints:
                 " them, or use a new folder (e.g. checkpoint='ckpt_2/'), or empty this one"
             )
         trees = {name: value for name, value in state.items() if _is_tree(value)}
+        if taken := {_steps.MARK, _steps.LEAVES} & trees.keys():
+            raise ValueError(
+                f"{self.where}: state entry {taken.pop()!r} has a name the checkpoint keeps for itself"
+            )
         json_entries = {}
         for name in state.keys() - trees.keys():
             try:
@@ -280,23 +290,19 @@ class Checkpoints:
                     f"{self.where}: state[{name!r}] = {state[name]!r:.80} cannot be saved: {e} is not"
                     " JSON-able; use numbers, strings, lists and dicts with str keys"
                 ) from None
-        manifest, leaves = _tree.records(trees, self.where)
-        infos = [r for r in manifest if r["kind"] != "node"]
-        arrays = {
-            str(i): _tree.stored(x, info["kind"])
-            for i, (x, info) in enumerate(zip(leaves, infos, strict=True))
-            if info["kind"] != "value"
-        }
-        meta = {"format": "mgkit.train 2", "json": json_entries, "trees": sorted(trees), "leaves": manifest}
-        items = {"meta": self._ocp.args.JsonSave(meta)}
-        if arrays:
-            items["arrays"] = self._ocp.args.StandardSave(arrays)
-        with _ORBAX_LOGS.held():
+        manifest, _ = _tree.records(trees, self.where)
+        ocp, items = self._ocp, {}
+        for name, tree in trees.items():  # one orbax item per tree, the one-array trees together
+            items.setdefault(_item(name, tree), {})[name] = _tree.written(tree)
+        saves = {item: ocp.args.StandardSave(_item_tree(item, t)) for item, t in items.items()}
+        meta = {"format": _steps.FORMAT, "json": json_entries, "trees": sorted(trees), "leaves": manifest}
+        saves[_steps.MARK] = ocp.args.JsonSave(meta | {"items": sorted(items)})
+        with ORBAX_LOGS.held():
             try:
-                self._manager.save(step, args=self._ocp.args.Composite(**items), force=True)
+                self._manager.save(step, args=ocp.args.Composite(**saves), force=True)
             except Exception as e:
                 raise self._failed(step, e) from e
-        _ORBAX_LOGS.busy += 1  # held until `wait` has seen the save end: its threads may log
+        ORBAX_LOGS.busy += 1  # held until `wait` has seen the save end: its threads may log
         self._saving = step
 
     def restore(self, like: dict, step: int | None = None) -> dict:
@@ -312,7 +318,7 @@ class Checkpoints:
             while steps:
                 try:
                     return self._restore(like, steps[-1])
-                except _DamagedError as e:
+                except _steps.DamagedError as e:
                     self._set_aside(steps.pop(), e.why)
             raise FileNotFoundError(
                 f"{self.where}: no complete checkpoint in '{self.directory}': the folder is empty or"
@@ -329,20 +335,28 @@ class Checkpoints:
             )
         try:
             return self._restore(like, step)
-        except _DamagedError as e:
+        except _steps.DamagedError as e:
             raise FileNotFoundError(
                 f"{self.where}: the checkpoint of step {step} in '{self.directory / str(step)}' is damaged"
                 f" ({e.why}); pass another of steps {steps}, or step=None for the newest complete one"
             ) from None
 
     def _restore(self, like: dict, step: int) -> dict:
-        """The state of ``step`` in ``like``'s form; raises _DamagedError where its files are missing."""
-        ocp = self._ocp
-        meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """The state of ``step`` in ``like``'s form; raises DamagedError where its files are damaged."""
+        meta = _steps.metadata(self.directory / str(step))
+        if meta is None:  # gone or garbled since the folder was listed
+            raise _steps.DamagedError(f"its metadata {_steps.MARK}/metadata cannot be read")
+        if _steps.old_format(meta):
+            raise ValueError(
+                f"{self.where}: the checkpoint of step {step} in '{self.directory}' is of an earlier mgkit"
+                f" format ({meta.get('format')!r}, its arrays a numbered list), which this version does not"
+                f" read (it reads {_steps.FORMAT!r}); resume it with the mgkit version that wrote it, or"
+                " start a new checkpoint folder (e.g. checkpoint='ckpt_2/')"
+            )
         # the model's trees: those saved, and any other entry of `like` that is a tree (to name it)
         names = {*meta["trees"], *(n for n, v in like.items() if n not in meta["json"] and _is_tree(v))}
         trees = {name: like[name] for name in names if name in like}
-        model, xs = _tree.records(trees, self.where)
+        model, _ = _tree.records(trees, self.where)
         problem = _tree.first_difference(meta["leaves"], model)
         if problem:
             raise ValueError(
@@ -351,28 +365,53 @@ class Checkpoints:
                 " (e.g. checkpoint='ckpt_2/'), or build the trainer with the optimizer and the"
                 " parameters it was saved from"
             )
-        saved = [r for r in meta["leaves"] if r["kind"] != "node"]
-        abstract = {
-            str(i): _tree.abstract(x, saved[i]) for i, x in enumerate(xs) if saved[i]["kind"] != "value"
+        saved = iter([r for r in meta["leaves"] if r["kind"] != "node"])
+        records = {
+            name: [next(saved) for _ in jax.tree_util.tree_leaves(trees[name])] for name in sorted(trees)
         }
-        strict = not any(_tree.padded(saved[i], x) for i, x in enumerate(xs))  # else pads may differ
-        got = (
-            self._read(step, ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract, strict=strict)))[
-                "arrays"
-            ]
-            if abstract
-            else {}
-        )
-        values = [_tree.rebuild(x, saved[i], got.get(str(i))) for i, x in enumerate(xs)]
-        return meta["json"] | jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(trees), values)
+        got = self._read_trees(step, trees, records)
+        back = {}
+        for name, tree in trees.items():
+            leaves, structure = jax.tree_util.tree_flatten(tree)
+            back[name] = structure.unflatten(map(_tree.rebuild, leaves, records[name], got[name]))
+        return meta["json"] | back
+
+    def _read_trees(self, step: int, trees: dict, records: dict) -> dict[str, list]:
+        """Each tree's leaves as orbax reads them at ``step``, in flattening order (None where
+        the record holds the leaf: a Python number); arrays placed like the model's."""
+        ocp, restores, strict = self._ocp, {}, {}
+        for name, tree in trees.items():
+            leaves = jax.tree_util.tree_leaves(tree)
+            if all(r["kind"] == "value" for r in records[name]):
+                continue  # nothing to read: no item, or one without arrays
+            target = jax.tree_util.tree_structure(tree).unflatten(map(_tree.target, leaves, records[name]))
+            item = _item(name, tree)
+            restores.setdefault(item, {})[name] = target
+            # padded leaves are read into their padding (the records matched: shapes are checked)
+            strict[item] = strict.get(item, True) and not any(isinstance(x, _tree.Padded) for x in leaves)
+        args = {
+            item: ocp.args.StandardRestore(_item_tree(item, t), strict=strict[item])
+            for item, t in restores.items()
+        }
+        read = self._read(step, ocp.args.Composite(**args)) if args else {}
+        got = {}
+        for name, tree in trees.items():
+            item = _item(name, tree)
+            if item not in restores:  # nothing read: the records hold every leaf
+                got[name] = [None] * len(records[name])
+                continue
+            back = read[item][name] if item == _steps.LEAVES else read[item]
+            got[name] = jax.tree_util.tree_structure(tree).flatten_up_to(back)  # a string's None kept
+        return got
 
     def _read(self, step: int, args: Any) -> Any:
-        """orbax's restore of ``args`` at ``step``; a checkpoint with missing files raises _DamagedError."""
+        """orbax's restore of ``args`` at ``step``; a checkpoint with missing or garbled files raises
+        _steps.DamagedError."""
         try:
-            with _ORBAX_LOGS.held():
+            with ORBAX_LOGS.held():
                 return self._manager.restore(step, args=args)
         except Exception as e:
-            damaged = _damage(e)
+            damaged = _steps.damage(e, self.directory / str(step))
             if damaged is None:
                 raise
             raise damaged from e
@@ -384,7 +423,7 @@ class Checkpoints:
                 self.wait()
             finally:
                 self._closed = True
-                with _ORBAX_LOGS.held():
+                with ORBAX_LOGS.held():
                     self._manager.close()
 
     def __enter__(self) -> Checkpoints:
@@ -432,6 +471,14 @@ class Checkpointing:
                 )
             if self.checkpoints.latest() is not None:
                 self._restore(self.checkpoints.restore(self._state(self._position)))
+            elif others := self.checkpoints.others():  # resuming meant one of these: say so
+                raise FileNotFoundError(
+                    f"{where}: resume=True, and the checkpoint folder '{self.checkpoints.directory}' holds"
+                    f" no mgkit checkpoint, only {', '.join(map(repr, others))}, not written by mgkit (left"
+                    f" as they are). To start from an orbax checkpoint of parameters, call"
+                    f" {type(self).__name__.lower()}.load_orbax(folder) before fit; to start afresh, pass"
+                    " resume=False or give the trainer a folder of its own"
+                )
         elif self.checkpoints is not None:
             latest = self.checkpoints.latest()
             if latest is not None and latest > self._step:

@@ -1,7 +1,9 @@
 """How a checkpoint describes a state's trees: one record per tree node (its type) and per leaf
 (an array's shape and dtype, a key's implementation, a Python number's value), in the order JAX
 flattens the tree, so a restore can name the first place where the checkpoint and the model
-differ and put the leaves back into the model's own tree structure.
+differ and put the leaves back into the model's own tree structure. And how each tree is
+written (``written``: every leaf in its own shape, as plain orbax reads it) and read back
+(``target``, ``rebuild``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from mgkit._spmd import to_host
+
 
 @dataclasses.dataclass(frozen=True)
 class Padded:
     """A leaf stored with zeros appended along its split axes (a trainer's ``shard=``): its
-    checkpoint records the leaf's own shape, and a restore fills any padding (or none) from it,
-    each context reading its own part. Not a pytree node: a leaf of the state's trees."""
+    checkpoint holds the leaf in its own shape (read to the host shard by shard, never whole on a
+    context), and a restore fills any padding (or none) from it, each context reading its own
+    part. Not a pytree node: a leaf of the state's trees."""
 
     array: jax.Array  # the stored, padded array
     shape: tuple[int, ...]  # the leaf's shape without the padding
@@ -58,23 +63,27 @@ def _leaf_info(path: str, x: Any, where: str) -> dict:
         )
     if how == "value":
         return {"path": path, "kind": how, "value": x}
-    data = stored(x, how)
-    info = {"path": path, "kind": how, "shape": list(np.shape(data)), "dtype": str(np.dtype(data.dtype))}
-    if isinstance(x, Padded):
-        info |= {"shape": list(x.shape), "stored": list(np.shape(data))}
+    data = x.array if isinstance(x, Padded) else jax.random.key_data(x) if how == "key" else x
+    shape = x.shape if isinstance(x, Padded) else np.shape(data)  # a key's: its key data's
+    info = {"path": path, "kind": how, "shape": list(shape), "dtype": str(np.dtype(data.dtype))}
     return info | ({"impl": str(jax.random.key_impl(x))} if how == "key" else {})
 
 
-def stored(x: Any, how: str) -> Any:
-    """What orbax writes for a leaf stored as ``how`` (``kind(x)``): a key's data, a padded leaf's
-    padded array, else the leaf."""
-    return jax.random.key_data(x) if how == "key" else x.array if isinstance(x, Padded) else x
+def written(tree: Any) -> Any:
+    """``tree`` as orbax writes it, each leaf in its own shape: a typed key as its key data, a
+    padded leaf without its padding (read to the host shard by shard), a numpy scalar as a 0-d
+    array, a string as None (its record holds it); arrays as they are (written shard by shard)."""
 
+    def one(x: Any) -> Any:
+        if isinstance(x, Padded):
+            return to_host(x.array, x.shape)
+        if kind(x) == "key":
+            return jax.random.key_data(x)
+        if isinstance(x, np.generic):
+            return np.asarray(x)
+        return None if isinstance(x, str) else x
 
-def padded(saved: dict, x: Any) -> bool:
-    """Whether a saved leaf or the model's leaf ``x`` is stored padded (its restore then fills
-    one padding from another: orbax's non-strict restore)."""
-    return "stored" in saved or isinstance(x, Padded)
+    return jax.tree_util.tree_map(one, tree)
 
 
 def records(trees: dict, where: str) -> tuple[list[dict], list[Any]]:
@@ -150,8 +159,12 @@ def first_difference(saved: list[dict], model: list[dict]) -> str | None:
     return None
 
 
-def abstract(x: Any, info: dict) -> jax.ShapeDtypeStruct:
-    """What orbax restores a leaf into: ``x``'s shape, dtype and sharding (numpy leaves: none)."""
+def target(x: Any, info: dict) -> Any:
+    """What orbax restores the model's leaf ``x`` into (its saved record ``info``): an array's
+    shape, dtype and sharding (a padded leaf's padded shape: orbax fills the padding with zeros,
+    each context reading its own part), numpy leaves as numpy, a Python number as itself."""
+    if info["kind"] == "value":
+        return None if isinstance(info["value"], str) else info["value"]
     if isinstance(x, Padded):
         return jax.ShapeDtypeStruct(x.array.shape, info["dtype"], sharding=x.array.sharding)
     sharding = None if info["kind"] == "numpy" else x.sharding  # a key's sharding fits its key data
@@ -159,7 +172,8 @@ def abstract(x: Any, info: dict) -> jax.ShapeDtypeStruct:
 
 
 def rebuild(x: Any, saved: dict, got: Any) -> Any:
-    """A restored leaf as the model's leaf ``x`` holds it: a typed key rewrapped, a numpy scalar a scalar."""
+    """A restored leaf as the model's leaf ``x`` holds it: a typed key rewrapped, a numpy scalar a
+    scalar, a padded leaf its padded array (``Padded``), a Python number the saved one."""
     if saved["kind"] == "key":
         return jax.random.wrap_key_data(got, impl=jax.random.key_impl(x))
     if isinstance(x, Padded):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -14,7 +15,7 @@ from .._numbers import whole
 from .._oom import StepFacts, program_needs
 from .._profile import step_scope
 from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
-from . import _data
+from . import _data, _orbax
 from ._accumulate import check_rows
 from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer
@@ -71,7 +72,8 @@ class Trainer(Checkpointing):
       checkpoint: a folder to save checkpoints in, with orbax-checkpoint
         (``pip install 'mgkit[checkpoint]'``): parameters, optimizer state, step, key and data
         position, every ``every`` steps, the newest ``keep`` kept; ``fit(..., resume=True)``
-        goes on from the newest one.
+        goes on from the newest one. Plain orbax reads them (README, "Checkpoints"); the
+        folder's other steps are never touched. ``load_orbax`` starts from a user's own.
       prefetch: batches placed ahead of the step by a background thread (``mg.Prefetch``); 0
         places each batch when the step needs it.
       shard: how parameters and optimizer state lie on the contexts: ``"replicate"`` (whole on
@@ -149,17 +151,14 @@ class Trainer(Checkpointing):
         if self._layout is not None:
             layout = self._layout
             self._params = layout.create(start.make) if start.make else layout.place(self._model.arrays)
-            self._opt = layout.init(optimizer, self._params)
             self._replicas: list = []
         elif self.spmd:
             self._params = made(start, sharding(devices))
-            self._opt = jax.jit(optimizer.init, out_shardings=sharding(devices))(self._params)
             self._replicas = []
         else:
-            first = jax.sharding.SingleDeviceSharding(devices[0])
-            self._params = made(start, first)
-            self._opt = jax.jit(optimizer.init, out_shardings=first)(self._params)
+            self._params = made(start, jax.sharding.SingleDeviceSharding(devices[0]))
             self._replicas = self._copies(self._params)
+        self._opt = self._init_opt(self._params)
         self._program = self._built(1, "fp32")
         # the collectives of the SPMD step, read once per program and recorded on each run
         self._collectives: Watch | None = Watch(self.targets.contexts, "Trainer step") if self.spmd else None
@@ -515,6 +514,40 @@ class Trainer(Checkpointing):
             self._scale = scale_from(back["loss_scale"])
         if not self.spmd:
             self._replicas = self._copies(self._params)
+
+    def _init_opt(self, params: Any) -> Any:
+        """The optimizer's initial state for the trainer's (stored) ``params``, laid out as theirs."""
+        if self._layout is not None:
+            return self._layout.init(self.optimizer, params)
+        devices = self.targets.devices
+        out = sharding(devices) if self.spmd else jax.sharding.SingleDeviceSharding(devices[0])
+        return jax.jit(self.optimizer.init, out_shardings=out)(params)
+
+    def load_orbax(
+        self, directory: str | os.PathLike, step: int | None = None, *, params="params", opt_state=None
+    ) -> None:
+        """Starts from a checkpoint that orbax wrote (``ocp.CheckpointManager(directory).save(step,
+        args=ocp.args.Composite(params=ocp.args.StandardSave(params), ...))``): the trainer's
+        parameters (and optimizer state, when ``opt_state`` names its item) become the saved ones,
+        read straight into the trainer's layout (no leaf gathered), and its step becomes ``step``.
+
+        Args:
+          directory: the folder given to ``ocp.CheckpointManager``.
+          step: the step to read; None: the newest.
+          params: the name of the item holding the parameters (a single-item manager's: "default").
+          opt_state: the name of the item holding the optimizer state (the trainer's optimizer's own
+            tree, as ``optimizer.init`` makes it); None: a new state, ``optimizer.init`` of the
+            loaded parameters.
+
+        Raises FileNotFoundError for a missing folder, step or item, and ValueError naming the
+        first leaf whose path, shape or dtype differs from the trainer's.
+        """
+        items = {"params": params} | ({} if opt_state is None else {"opt_state": opt_state})
+        like = self._state(self._position)
+        step, got = _orbax.read(directory, step, items, like, "Trainer.load_orbax")
+        self._restore(like | got | {"step": step})
+        if opt_state is None:
+            self._opt = self._init_opt(self._params)
 
     def _total(self, src: Any, steps: Any, epochs: Any, where: str) -> int | None:
         if steps is not None and epochs is not None:
