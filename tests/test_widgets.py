@@ -514,6 +514,10 @@ def test_the_refresh_thread_keeps_to_its_budget():
     assert budget.allows() is False and budget.credit == pytest.approx(0.0)
     budget.earn(wall=100.0, cores=1.0)  # idle for long: at most `burst` saved up
     assert budget.credit == 0.02 and budget.spent == 0.025
+    refresher = _live.Refresher(period=0.05, share=0.01)
+    assert refresher.pause(credit=0.001, cores=1.0) == 0.05  # credit left: at the period
+    assert refresher.pause(credit=-0.0007, cores=1.0) == pytest.approx(0.07)  # until earned back
+    assert refresher.pause(credit=-0.01, cores=0.5) == 0.1  # but the memory samples keep their rate
     assert [_live.next_due(d, now, 4.0) for d, now in ((1.0, 1.05), (1.0, 1.3), (0.0, 5.0))] == [
         1.25,  # a tick late: the next stays on the schedule (the rate holds)
         1.55,  # a period late: a period from now (no burst to catch up)
@@ -546,12 +550,12 @@ def test_a_live_refresh_folds_the_newest_entries_of_a_heavy_stream_and_skips_the
     _flood(led, 1000)
     assert view.pending == 3000  # an entry per call
     assert view._tick(time.monotonic() + 1, _live.Budget.unlimited())
-    assert view.pending == 0 and view._feed.skipped == 1000 - _live.FOLD_CHUNK  # steps' calls only
+    assert view.pending == 0 and view.skipped == 1000 - _live.FOLD_CHUNK  # steps' calls only
     rows = {r[0]: r for r in view._rows()}
     assert rows["dev0"][4] == "100 us"  # each event its own step's time, not its time over the gap
     _flood(led, 3)
     view.refresh()  # by hand: all of them
-    assert view._feed.skipped == 1000 - _live.FOLD_CHUNK
+    assert view.skipped == 1000 - _live.FOLD_CHUNK
     view.close()
 
 

@@ -177,6 +177,12 @@ class LiveView(abc.ABC):
         one call's events)."""
         return len(self._feed) if self._feed is not None else 0
 
+    @property
+    def skipped(self) -> int:
+        """Ledger entries the live refreshes left out, in all: under a heavy stream a refresh
+        folds the newest ``fold_limit`` only (totals still count every one)."""
+        return self._feed.skipped if self._feed is not None else 0
+
     def refresh(self) -> bool:
         """Applies what happened since the last refresh: folds new events in, sets widget values
         and redraws plots. The live thread calls this at most ``rate`` times a second; call it

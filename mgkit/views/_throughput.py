@@ -392,8 +392,8 @@ class ThroughputView(Plotted):
         return {name: line.trace() for name, line in self._ordered()}
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
-        if self._feed is not None and self._feed.skipped != self._skipped:  # a heavy stream
-            self._skipped, self._unknown = self._feed.skipped, -1
+        if self.skipped != self._skipped:  # a heavy stream: some steps left out
+            self._skipped, self._unknown = self.skipped, -1
             self._last = dict.fromkeys(self._last, -1)
         changed = self._fold(events)
         if changed:
