@@ -120,6 +120,10 @@ class LiveView(abc.ABC):
         """True when something is waiting to be drawn even without new events."""
         return False
 
+    def _defer(self, now: float, budget: Budget) -> bool:
+        """True when a due refresh had better wait for a later tick although there is credit."""
+        return False
+
     def _when_spent(self) -> bool:
         """What a view with ``samples`` does when due while the live thread's budget is spent
         (the memory view: its sample, nothing drawn); True when anything changed."""
@@ -201,13 +205,14 @@ class LiveView(abc.ABC):
 
     def _tick(self, now: float, budget: Budget) -> bool:
         """The live thread's call: refreshes when due (rate), when there is something to show
-        and while ``budget`` has credit (a view that ``samples`` then only samples), and charges
-        the refresh's CPU time to ``budget``. A due view left out stays due for the next tick."""
+        and while ``budget`` has credit (else, or when ``_defer``, a view that ``samples`` only
+        samples), and charges the refresh's CPU time to ``budget``. A due view left out stays
+        due for the next tick."""
         if self.closed or now < self._next:
             return False
         if not (self.polls or self.pending or self._stale()):
             return False
-        full = budget.allows()
+        full = budget.allows() and not self._defer(now, budget)
         if not (full or self.samples):
             return False
         self._next = next_due(self._next, now, self.rate)
@@ -321,6 +326,11 @@ class Plotted(LiveView):
 
     def _stale(self) -> bool:
         return self._plot is not None and self._drawn != self._version
+
+    def _defer(self, now: float, budget: Budget) -> bool:
+        """While the budget is short, a refresh waits until its picture may be redrawn too (the
+        table then follows the picture, and the budget goes to pictures)."""
+        return self._plot is not None and budget.short() and now < self._draw_next
 
     @abc.abstractmethod
     def svg(self) -> str:

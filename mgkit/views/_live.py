@@ -245,6 +245,10 @@ class Budget:
         """True while there is credit left."""
         return self.credit > 0.0
 
+    def short(self) -> bool:
+        """True while less than half of what may be saved up is left (the views are busy)."""
+        return self.credit < self.burst / 2
+
     def charge(self, cost: float) -> None:
         """Takes ``cost`` CPU seconds off the credit (it may go below zero: the views then wait)."""
         self.credit -= cost
