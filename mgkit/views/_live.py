@@ -16,8 +16,9 @@ The thread as a whole keeps to a budget, ``THREAD_SHARE`` (1 %) of a core, held 
 (``Budget``): earned with the wall time, up to ``BURST`` seconds of CPU saved, and spent by each
 view's refresh. The thread looks at its views every ``TICK`` seconds (while the credit is spent,
 every ``1 / MAX_RATE`` s at most); a view that is due refreshes only while there is credit (the
-memory view still takes its samples, which are cheap, and charges them), and a dashboard serves
-first the panel due longest. A refresh folds
+memory view still takes its samples, which are cheap, and charges them; while it is short, a
+view with a picture waits until the picture may be redrawn too), and a dashboard serves first
+the panel due longest. A refresh folds
 at most ``FOLD_CHUNK`` of the newest entries of a heavy stream (the older ones are skipped and
 counted; totals come from the ledger's own), so no one refresh is costly and no view's work stops
 the others' for long: however many events arrive and however many views there are, the views
