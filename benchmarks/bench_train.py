@@ -192,19 +192,25 @@ def compare(name, variants, args, goal):
 
 def paired(variants, args, steps):
     """(a): ``args.pairs`` rounds, each a block of ``steps`` steps of every variant (the order
-    reversed every other round); returns rows: per variant but the last (the peer), its median
-    time per step, the median [quartiles] of its per-round ratio to the peer's, and the medians."""
+    reversed every other round). Returns, per variant, its per-round ratios to the last
+    variant's (the peer's) block of the same round, in wall time and in this process's CPU time
+    (which other processes on a loaded machine disturb less), and its median time per step."""
     for v in variants.values():  # warm up: compile, first steps
         v(20)
-    times = {k: [] for k in variants}
+    wall, cpu = {k: [] for k in variants}, {k: [] for k in variants}
     keys = list(variants)
     for r in range(args.pairs):
         for k in keys if r % 2 == 0 else keys[::-1]:
-            times[k].append(timed(lambda k=k: variants[k](steps)) / steps)
+            c0 = time.process_time()
+            wall[k].append(timed(lambda k=k: variants[k](steps)) / steps)
+            cpu[k].append((time.process_time() - c0) / steps)
         mg.ledger().clear()
     peer = keys[-1]
-    ratios = {k: [x / y for x, y in zip(times[k], times[peer], strict=True)] for k in keys}
-    return ratios, {k: median(v) for k, v in times.items()}
+
+    def ratios(times):
+        return {k: [x / y for x, y in zip(times[k], times[peer], strict=True)] for k in keys}
+
+    return ratios(wall), ratios(cpu), {k: median(v) for k, v in wall.items()}
 
 
 def contexts_on_devices(count: int) -> tuple[list, list[str]]:
@@ -236,7 +242,7 @@ def main(argv=None) -> int:
     rows, steps_ms = [], {}
     tr = mg.Trainer(loss_fn, opt, params)
     quiet = mg.Trainer(loss_fn, opt, params)
-    ratios, med = paired(
+    ratios, cpu, med = paired(
         {
             "mgkit": lambda n: tr.fit(data, steps=n, batch_size=256, progress=False),
             "unrecorded": lambda n: quiet.fit(
@@ -249,21 +255,26 @@ def main(argv=None) -> int:
         max(args.steps // 2, 2),
     )
     steps_ms["(a) batch 256"] = med
-    recording = [x / y for x, y in zip(ratios["mgkit"], ratios["unrecorded"], strict=True)]
-    for name, first, against, rs, goal in (
-        ("(a) batch 256, paired", "mgkit", "peer", ratios["mgkit"], 1.03),
-        ("(a) collectives=False", "unrecorded", "peer", ratios["unrecorded"], None),
-        ("(a) peer with the guard", "guarded peer", "peer", ratios["guarded peer"], None),
-        ("(a) recorded/unrecorded", "mgkit", "unrecorded", recording, None),
+
+    def over(a, b, by):
+        return [x / y for x, y in zip(by[a], by[b], strict=True)]
+
+    for name, first, against, goal in (
+        ("(a) batch 256, paired", "mgkit", "peer", 1.03),
+        ("(a) collectives=False", "unrecorded", "peer", None),
+        ("(a) peer with the guard", "guarded peer", "peer", None),
+        ("(a) mgkit / unrecorded", "mgkit", "unrecorded", None),
+        ("(a) mgkit / guarded peer", "mgkit", "guarded peer", None),
     ):
-        q = quartiles(rs)
+        rs, cs = over(first, against, ratios), over(first, against, cpu)
+        q, qc = quartiles(rs), quartiles(cs)
         rows.append(
             [
                 name,
                 f"{med[first] * 1e3:.3f} ms",
                 f"{med[against] * 1e3:.3f} ms ({against})",
                 f"{med[first] / med[against]:.3f}",
-                f"{median(rs):.3f} [{q[0]:.3f}-{q[1]:.3f}]",
+                f"{median(rs):.3f} [{q[0]:.3f}-{q[1]:.3f}], cpu {median(cs):.3f} [{qc[0]:.3f}-{qc[1]:.3f}]",
                 "" if goal is None else f"<= {goal}",
                 "" if goal is None else "yes" if median(rs) <= goal else "NO",
             ]
@@ -336,7 +347,7 @@ def main(argv=None) -> int:
     if dash["view"] is not None:
         dash["view"].close()
     rows.append(row)
-    rows.insert(5, rows_c)
+    rows.insert(6, rows_c)
     print()
     print(
         "time per step, median of rounds; ratio = first / second; "
