@@ -3,11 +3,11 @@ measured in the same run.
 
 Usage::
 
-    python benchmarks/bench_train.py [--steps 200] [--rounds 6] [--devices 8] [--load-ms 0]
+    python benchmarks/bench_train.py [--steps 200] [--rounds 6] [--devices 8] [--load-ms 0] [--pairs 16]
 
 Contexts ``d0..d7 -> cpu0..cpu7`` on ``mg.simulate(8)`` CPU devices without an accelerator; on
 a machine with GPUs, ``d0..dN`` on them. The model is an MLP 784-256-10 (tanh), softmax
-cross-entropy, ``optax.adamw(1e-3)``, on synthetic 784-feature data (digits-sized rows).
+cross-entropy, ``optax.adam(1e-3)``, on synthetic 784-feature data (digits-sized rows).
 
 The peer is the step a careful user writes by hand: the same loss and optax update in one
 ``jax.jit`` with ``NamedSharding`` (parameters and optimizer state replicated and donated, the
@@ -16,7 +16,14 @@ the same host arrays, then ``jax.device_put`` with the split sharding), reading 
 loss (on CPU devices before the next step, as mgkit does: XLA's CPU runtime must not have two
 collective programs in flight; on accelerators one step late).
 
-  (a) dispatch-bound  batch 256: Trainer time per step / peer's. Goal <= 1.05.
+  (a) dispatch-bound  batch 256, measured paired: ``--pairs`` rounds, each a block of
+                      ``--steps / 2`` steps of every variant in turn (the order reversed every
+                      other round), the median and quartiles of the per-round ratios to the
+                      peer's block of that round. Variants: the Trainer; the Trainer with
+                      ``fit(..., collectives=False)`` (its recording's cost: the ratio of the
+                      two); the peer with the Trainer's guard (the update under ``lax.cond`` on
+                      the loss and gradients being finite, both read: what ``on_nan`` costs in
+                      the program itself). Goal <= 1.03.
   (b) compute-bound   batch 16,384. Goal <= 1.03.
   (c) slow loader     a data function that takes ``--load-ms`` (default: 1.5x the peer's step
                       in (a)) per batch: time per step with the trainer's prefetch against
@@ -24,8 +31,8 @@ collective programs in flight; on accelerators one step late).
   (d) watched         (a) with a live mg.Dashboard attached (the ledger is always on): Trainer
                       time per step / (a)'s Trainer without. Goal <= 1.05.
 
-Each round runs every variant for ``--steps`` steps in ABBA order; medians of the rounds and the
-median of per-round ratios are printed. Timings are reported, never asserted; exit status 0.
+(b)-(d): each round runs every variant for ``--steps`` steps in ABBA order; medians of the rounds
+and the median of per-round ratios are printed. Timings are reported, never asserted; exit status 0.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ def parse_args(argv):
         "--load-ms", type=float, default=0.0, help="(c) the loader's time per batch (0: 1.5x a step)"
     )
     p.add_argument("--rows", type=int, default=32768, help="rows of synthetic data (default 32768)")
+    p.add_argument("--pairs", type=int, default=16, help="(a): paired rounds (default 16)")
     args = p.parse_args(argv)
     if args.steps < 2 or args.rounds < 1 or args.devices < 1 or args.rows < 16384:
         p.error("--steps >= 2, --rounds >= 1, --devices >= 1, --rows >= 16384")
@@ -79,9 +87,11 @@ def loss_fn(params, batch):
 
 
 class Peer:
-    """The hand-written step: jit with NamedSharding, same batches, same optax update."""
+    """The hand-written step: jit with NamedSharding, same batches, same optax update; with
+    ``guard``, the update under ``lax.cond`` on the loss and gradients being finite (the flag
+    read with the loss), as mgkit's step does."""
 
-    def __init__(self, params, optimizer, devices, data, batch_size, seed=0):
+    def __init__(self, params, optimizer, devices, data, batch_size, seed=0, guard=False):
         mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
         self.rep, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
         self.params = jax.device_put(jax.tree_util.tree_map(jnp.copy, params), self.rep)
@@ -93,8 +103,17 @@ class Peer:
 
         def step(p, s, b):
             loss, g = jax.value_and_grad(loss_fn)(p, b)
-            u, s = optimizer.update(g, s, p)
-            return optax.apply_updates(p, u), s, loss
+            if not guard:
+                u, s = optimizer.update(g, s, p)
+                return optax.apply_updates(p, u), s, loss
+            ok = jnp.isfinite(loss + sum(jnp.sum(x) for x in jax.tree_util.tree_leaves(g)))
+
+            def apply(p, s, g):
+                u, s = optimizer.update(g, s, p)
+                return optax.apply_updates(p, u), s
+
+            p, s = jax.lax.cond(ok, apply, lambda p, s, g: (p, s), p, s, g)
+            return p, s, (loss, ok)
 
         self.step = jax.jit(
             step, in_shardings=(self.rep, self.rep, self.split), out_shardings=self.rep, donate_argnums=(0, 1)
@@ -123,12 +142,20 @@ class Peer:
             self.params, self.opt, loss = self.step(self.params, self.opt, b)
             if self.late:
                 if pending is not None:
-                    float(pending)
+                    read(pending)
                 pending = loss
             else:
-                float(loss)
+                read(loss)
         if pending is not None:
-            float(pending)
+            read(pending)
+
+
+def read(loss) -> None:
+    """Reads a step's loss (and, from a guarded step, its flag) to the host."""
+    if isinstance(loss, tuple):
+        float(loss[0]), bool(loss[1])
+    else:
+        float(loss)
 
 
 def timed(fn) -> float:
@@ -163,6 +190,29 @@ def compare(name, variants, args, goal):
     return row, {k: median(v) for k, v in times.items()}
 
 
+def paired(variants, args, steps):
+    """(a): ``args.pairs`` rounds, each a block of ``steps`` steps of every variant (the order
+    reversed every other round). Returns, per variant, its per-round ratios to the last
+    variant's (the peer's) block of the same round, in wall time and in this process's CPU time
+    (which other processes on a loaded machine disturb less), and its median time per step."""
+    for v in variants.values():  # warm up: compile, first steps
+        v(20)
+    wall, cpu = {k: [] for k in variants}, {k: [] for k in variants}
+    keys = list(variants)
+    for r in range(args.pairs):
+        for k in keys if r % 2 == 0 else keys[::-1]:
+            c0 = time.process_time()
+            wall[k].append(timed(lambda k=k: variants[k](steps)) / steps)
+            cpu[k].append((time.process_time() - c0) / steps)
+        mg.ledger().clear()
+    peer = keys[-1]
+
+    def ratios(times):
+        return {k: [x / y for x, y in zip(times[k], times[peer], strict=True)] for k in keys}
+
+    return ratios(wall), ratios(cpu), {k: median(v) for k, v in wall.items()}
+
+
 def contexts_on_devices(count: int) -> tuple[list, list[str]]:
     """Contexts ``d0..dN`` on every device: ``count`` simulated CPU devices, or the accelerators
     when there are some. Returns (devices, context names)."""
@@ -188,9 +238,48 @@ def main(argv=None) -> int:
         "y": rng.integers(0, 10, args.rows).astype(np.int32),
     }
     params = mlp_init(jax.random.key(0))
-    opt = optax.adamw(1e-3)
+    opt = optax.adam(1e-3)
     rows, steps_ms = [], {}
-    for case, batch_size, goal in (("(a) batch 256", 256, 1.05), ("(b) batch 16384", 16384, 1.03)):
+    tr = mg.Trainer(loss_fn, opt, params)
+    quiet = mg.Trainer(loss_fn, opt, params)
+    ratios, cpu, med = paired(
+        {
+            "mgkit": lambda n: tr.fit(data, steps=n, batch_size=256, progress=False),
+            "unrecorded": lambda n: quiet.fit(
+                data, steps=n, batch_size=256, progress=False, collectives=False
+            ),
+            "guarded peer": Peer(params, opt, devices, data, 256, guard=True).run,
+            "peer": Peer(params, opt, devices, data, 256).run,
+        },
+        args,
+        max(args.steps // 2, 2),
+    )
+    steps_ms["(a) batch 256"] = med
+
+    def over(a, b, by):
+        return [x / y for x, y in zip(by[a], by[b], strict=True)]
+
+    for name, first, against, goal in (
+        ("(a) batch 256, paired", "mgkit", "peer", 1.03),
+        ("(a) collectives=False", "unrecorded", "peer", None),
+        ("(a) peer with the guard", "guarded peer", "peer", None),
+        ("(a) mgkit / unrecorded", "mgkit", "unrecorded", None),
+        ("(a) mgkit / guarded peer", "mgkit", "guarded peer", None),
+    ):
+        rs, cs = over(first, against, ratios), over(first, against, cpu)
+        q, qc = quartiles(rs), quartiles(cs)
+        rows.append(
+            [
+                name,
+                f"{med[first] * 1e3:.3f} ms",
+                f"{med[against] * 1e3:.3f} ms ({against})",
+                f"{med[first] / med[against]:.3f}",
+                f"{median(rs):.3f} [{q[0]:.3f}-{q[1]:.3f}], cpu {median(cs):.3f} [{qc[0]:.3f}-{qc[1]:.3f}]",
+                "" if goal is None else f"<= {goal}",
+                "" if goal is None else "yes" if median(rs) <= goal else "NO",
+            ]
+        )
+    for case, batch_size, goal in (("(b) batch 16384", 16384, 1.03),):
         tr = mg.Trainer(loss_fn, opt, params)
         peer = Peer(params, opt, devices, data, batch_size)
         row, med = compare(
@@ -258,7 +347,7 @@ def main(argv=None) -> int:
     if dash["view"] is not None:
         dash["view"].close()
     rows.append(row)
-    rows.insert(2, rows_c)
+    rows.insert(6, rows_c)
     print()
     print(
         "time per step, median of rounds; ratio = first / second; "

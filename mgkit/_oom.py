@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import os
 import re
 import weakref
 from collections.abc import Callable, Sequence
@@ -154,6 +155,52 @@ def live_facts(
         )
         lines += [_array_line(a) for a in largest[device]] or ["    (no live arrays)"]
     return "\n".join(lines)
+
+
+def program_bytes(compiled: Any) -> int | None:
+    """The bytes a compiled program needs on each device, from its ``memory_analysis``: its
+    arguments, its outputs beyond the donated arguments and its temporaries (None where the
+    backend does not say)."""
+    try:
+        m = compiled.memory_analysis()
+        out = m.output_size_in_bytes - m.alias_size_in_bytes  # outputs beyond the donated arguments
+        return m.argument_size_in_bytes + out + m.temp_size_in_bytes
+    except Exception:  # noqa: BLE001 - no analysis on this backend
+        return None
+
+
+def host_memory() -> int | None:
+    """The host's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def refuse_too_big(compiled: Any, devices: Sequence[jax.Device]) -> None:
+    """Raises XLA's own error (a ``JaxRuntimeError``, ``RESOURCE_EXHAUSTED``) before a compiled
+    program runs on ``devices`` when it needs more than they can ever hold: more than a device's
+    allocator limit, or, on CPU devices, which share the host's memory, more in all than the
+    host has. Such a program would fail when run, after taking its donated arguments; refused
+    here, nothing is taken and the caller's report (``raise_if_out_of_memory``) says what filled
+    the contexts. A limit given by ``mg.simulate(memory=...)`` is not enforced here."""
+    need = program_bytes(compiled)
+    if not need:
+        return
+    cpus = sum(d.platform == "cpu" for d in devices)
+    host = host_memory() if cpus else None
+    if host is not None and need * cpus > host:
+        have = f"{cpus} CPU device(s) share the host's {human_bytes(host)}"
+    else:
+        limits = [(d, _devices.memory_stats(d).get("bytes_limit")) for d in devices if d.platform != "cpu"]
+        over = [(d, lim) for d, lim in limits if lim is not None and need > lim]
+        if not over:
+            return
+        have = f"{_devices.short_name(over[0][0])} holds at most {human_bytes(over[0][1])}"
+    raise jax.errors.JaxRuntimeError(
+        f"RESOURCE_EXHAUSTED: Out of memory allocating {need} bytes per device for the program "
+        f"({human_bytes(need)}), and {have}; refused before it ran, so its arguments are untouched"
+    )
 
 
 def program_needs(compiled: Any) -> str | None:

@@ -167,6 +167,18 @@ def test_a_data_parallel_step_reduces_the_gradients_bytes_once_per_step(n):
         assert {e.nbytes for e in mine} == {round(2 * row[2] * (n - 1) / n)}
 
 
+def test_a_fit_without_collectives_records_none_of_them_and_everything_else():
+    tr = mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, contexts=4)
+    tr.fit(_data(), steps=2, batch_size=16, progress=False, collectives=False)
+    assert mg.ledger().records(Kind.COLLECTIVE) == []
+    assert len(mg.ledger().records(Kind.STEP)) == 2 * 4 and mg.ledger().records(Kind.SPLIT)
+    assert tr.communication().rows()[0][0] == "all-reduce"  # read from the step all the same
+    tr.fit(_data(), steps=2, batch_size=16, progress=False)  # the default records them
+    assert sorted({e.info["step"] for e in mg.ledger().records(Kind.COLLECTIVE)}) == [3, 4]
+    with pytest.raises(TypeError, match=r"Trainer.fit: collectives must be True .* or False, got str 'no'"):
+        tr.fit(_data(), steps=1, batch_size=16, progress=False, collectives="no")
+
+
 def test_communication_gives_bytes_and_arithmetic_intensity_per_step():
     tr = mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, contexts=4)
     with pytest.raises(RuntimeError, match=r"Trainer.communication\(\): no step has run yet.*tr.fit\(data"):

@@ -59,7 +59,7 @@ def test_a_step_refused_at_dispatch_names_the_trainers_own_arrays(monkeypatch):
 
     tr = mg.Trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((512, 256))})
 
-    def run(program, args, varying, info=None):  # refused before anything is donated
+    def run(program, args, varying, info=None, record=True):  # refused before anything is donated
         raise _exhausted("RESOURCE_EXHAUSTED: Out of memory allocating 524288 bytes.")
 
     monkeypatch.setattr(tr._collectives, "run", run)
@@ -171,3 +171,52 @@ def test_after_a_real_out_of_memory_error_the_kit_goes_on(tmp_path):
     with mg.profile(tmp_path, show=False) as prof:
         float(mg.put(np.ones(3), "dev0").sum())
     assert prof.trace is not None
+
+
+def _too_big(p, b):
+    big = jnp.cumsum(jnp.full((1 << 38,), b["x"].sum()))  # a 1 TiB temporary: more than the host has
+    return jnp.mean((b["x"] @ p["w"]) ** 2) + big[-1] * 0
+
+
+def test_a_step_too_big_for_the_devices_is_refused_and_the_trainer_keeps_its_state():
+    tr = mg.Trainer(_too_big, optax.adam(1e-3), {"w": jnp.ones((16, 4))}, contexts=["dev0", "dev1"])
+    with pytest.raises(mg.OutOfMemoryError) as caught:
+        tr.fit({"x": np.ones((64, 16), np.float32)}, steps=3, batch_size=32, progress=False)
+    text = str(caught.value)
+    assert "per device for the program (2.0 TiB), and 2 CPU device(s) share the host's" in text
+    assert "refused before it ran, so its arguments are untouched" in text
+    assert tr.step == 0  # the last completed step's count, state and optimizer state
+    np.testing.assert_array_equal(np.asarray(tr.params["w"]), np.ones((16, 4), np.float32))
+    assert int(tr.opt_state[0].count) == 0
+
+
+def test_a_step_that_fails_while_it_runs_says_its_state_is_gone(monkeypatch):
+    from mgkit._spmd import _collectives
+
+    monkeypatch.setattr(_collectives, "refuse_too_big", lambda compiled, devices: None)  # not foreseen
+    tr = mg.Trainer(_too_big, optax.adam(1e-3), {"w": jnp.ones((16, 4))}, contexts=["dev0", "dev1"])
+    data = {"x": np.ones((64, 16), np.float32)}
+    with pytest.raises(mg.OutOfMemoryError) as caught:
+        tr.fit(data, steps=3, batch_size=32, progress=False)
+    assert caught.value.args[0].endswith(
+        "the trainer's state of step 0 was given to step 1, which ran out of memory while it ran (a "
+        "step donates its state, so that one copy is in memory), so it is gone; restore a checkpoint "
+        "(fit(..., resume=True)) or make a new Trainer"
+    )
+    assert tr.step == 0
+    with pytest.raises(RuntimeError, match=r"^Trainer.fit: the trainer.s state of step 0 was given to step"):
+        tr.fit(data, steps=1, batch_size=32, progress=False)
+    mg.synchronize()  # the failed step's outputs hold its error: waited for, not raised again
+
+
+@pytest.mark.parametrize("rows", [8, 9])  # an even split (one SPMD program) and an uneven one
+def test_a_parallel_call_too_big_for_the_devices_is_reported_when_called(rows):
+    def f(x):
+        big = jnp.cumsum(jnp.full((1 << 38,), x.sum()))
+        return x * 2 + big[-1] * 0
+
+    with pytest.raises(mg.OutOfMemoryError) as caught:
+        mg.parallel(f)(np.ones((rows, 3), np.float32))
+    text = str(caught.value)
+    assert text.startswith("mg.parallel: a device ran out of memory (RESOURCE_EXHAUSTED: Out of memory")
+    assert "fixes that apply: fewer rows per call" in text

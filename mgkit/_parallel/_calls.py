@@ -30,6 +30,7 @@ from .._spmd import (
     Batch,
     Cache,
     Targets,
+    check_run,
     explained,
     fn_name,
     is_abstract,
@@ -94,7 +95,8 @@ class Plan:
         placed = place_copied(leaves, self.shardings, self.copies)
         record(self.split, start, placed, t0, time.perf_counter() if self.at_once else None)
         program = programs.get(self.program, self.build)
-        start, t0 = time.time(), time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()  # the run's time includes a first compile
+        check_run(program, placed, self.contexts, self.what)
         out = explained(program, *placed)
         record(self.runs, start, jax.tree_util.tree_leaves(out), t0)
         note_run(program, placed, self.contexts, self.what, start)
@@ -271,7 +273,9 @@ def run_spmd(fn, batch, targets, sizes, out_axes, to, where) -> Any:
     placed = place_spmd(batch, targets, sizes)
     traced = is_abstract(batch.leaves)
     program = spmd_program(fn, batch, out_axes, targets, where, traced)
-    start, t0 = time.time(), time.perf_counter()
+    start, t0 = time.time(), time.perf_counter()  # the run's time includes a first compile
+    if not traced:  # a program too big for the devices fails here, as the dispatch path's does
+        check_run(program, placed, targets.contexts, f"{where} of {fn_name(fn)}")
     out = explained(program, *placed)
     out_leaves, out_tree = jax.tree_util.tree_flatten(out)
     if not traced:

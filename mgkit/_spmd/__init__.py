@@ -23,6 +23,7 @@ from ._caches import programs as programs
 from ._collectives import Communication as Communication
 from ._collectives import Reading as Reading
 from ._collectives import Watch as Watch
+from ._collectives import check_run as check_run
 from ._collectives import communication as communication
 from ._collectives import flops_of as flops_of
 from ._collectives import note_run as note_run

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import jax
 
 from .._ledger import Kind, Layout, execution_label, ledger
+from .._oom import refuse_too_big
 from .._table import Table, human_bytes
 from ._caches import Cache
 from ._hlo import Collective, collectives_in
@@ -160,7 +161,9 @@ def record_collectives(on: bool) -> None:
 class Watch:
     """The collectives of one jitted program, read on its first run with each kind of
     arguments (a compiled program is found in jit's caches, so reading compiles nothing
-    again) and recorded on every run.
+    again) and recorded on every run. At that first sight a program that needs more memory
+    than its devices can hold is refused before it runs (``_oom.refuse_too_big``): a step that
+    donates its arguments keeps them.
 
     Args:
       contexts: the contexts the program runs on (``Context``s).
@@ -182,20 +185,23 @@ class Watch:
             except Exception:  # noqa: BLE001 - the program's call raises it, with its own message
                 found = Reading(self.what, (), self.contexts, None, None, 0.0)  # nothing to read
             else:
-                found = read_compiled(compiled, self.contexts, self.what)
+                found = self.last = read_compiled(compiled, self.contexts, self.what)
+                refuse_too_big(compiled, [c.device for c in self.contexts])  # before it takes anything
             self._readings[(program, kind)] = found
         self.last = found
         return found
 
-    def run(self, program: Callable, args: tuple, varying: Any, info: dict | None = None) -> Any:
-        """``program(*args)``, its collectives recorded (with ``info``); ``varying``: the
-        arguments whose shapes and dtypes may change between runs (the batch)."""
-        if not _RECORDING[0]:
-            return program(*args)
+    def run(
+        self, program: Callable, args: tuple, varying: Any, info: dict | None = None, record: bool = True
+    ) -> Any:
+        """``program(*args)``, its collectives recorded (with ``info``) unless ``record`` is
+        False; ``varying``: the arguments whose shapes and dtypes may change between runs (the
+        batch). A program that cannot fit its devices is refused before it runs (``reading``)."""
         reading = self.reading(program, args, kind_of(jax.tree_util.tree_leaves(varying)))
         start = time.time()
         out = program(*args)
-        reading.record(start, info)
+        if record and _RECORDING[0]:
+            reading.record(start, info)
         return out
 
 
@@ -207,16 +213,28 @@ def kind_of(leaves: list) -> tuple:
 watches = Cache(256)  # jitted program -> its Watch, for programs run by mgkit's parallel ops
 
 
+def _watch(program: Callable, contexts: tuple, what: str) -> Watch:
+    """The ``Watch`` of a program run by mgkit's parallel ops (made on its first run)."""
+    watch = watches.find(program)
+    if watch is None:
+        watch = Watch(contexts, what)
+        watches.add(program, watch)
+    return watch
+
+
+def check_run(program: Callable, args: tuple, contexts: tuple, what: str) -> None:
+    """Before ``program(*args)`` runs: refuses a program that needs more memory than its
+    devices can hold (``Watch.reading``), as the error its run would give when read."""
+    _watch(program, contexts, what).reading(program, args, kind_of(jax.tree_util.tree_leaves(args)))
+
+
 def note_run(program: Callable, args: tuple, contexts: tuple, what: str, start: float) -> None:
     """Records the collectives of a run of ``program(*args)`` issued at ``start``; called after
     the run's call, so the program is compiled (and errors were raised by the call, with its
     own message)."""
     if not _RECORDING[0]:
         return
-    watch = watches.find(program)
-    if watch is None:
-        watch = Watch(contexts, what)
-        watches.add(program, watch)
+    watch = _watch(program, contexts, what)
     watch.reading(program, args, kind_of(jax.tree_util.tree_leaves(args))).record(start)
 
 

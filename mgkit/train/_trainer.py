@@ -12,7 +12,7 @@ import jax
 
 from .. import _progress
 from .._numbers import whole
-from .._oom import StepFacts, program_needs
+from .._oom import OutOfMemoryError, StepFacts, program_needs
 from .._profile import step_scope
 from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data, _orbax
@@ -163,6 +163,10 @@ class Trainer(Checkpointing):
         # the collectives of the SPMD step, read once per program and recorded on each run
         self._collectives: Watch | None = Watch(self.targets.contexts, "Trainer step") if self.spmd else None
         self._weights: tuple[float, ...] | None = None
+        self._record = True  # the step's collectives recorded in the ledger (``fit(collectives=)``)
+        self._given: tuple = ()  # the state the last dispatched step was given (it donates it)
+        self._begun = 0  # the step the last fit began at
+        self._lost: str | None = None  # why the state is gone (a step that failed after taking it)
         self.checkpoints: Checkpoints | None = None
         if checkpoint is not None:
             self.checkpoints = Checkpoints(checkpoint, every=every, keep=keep, where=_WHERE)
@@ -328,9 +332,11 @@ class Trainer(Checkpointing):
     def _dispatch(self, placed: tuple) -> StepOut:
         """Runs one step and keeps its results at once: nothing can come between the donation
         of the old state and keeping the new one (Ctrl-C is only noted during a fit)."""
+        self._given = (self._params, self._opt, self._replicas)  # taken by the step (donated)
         if self.spmd:
             args = (self._params, self._opt, *self._args(placed, self._step + 1))
-            out = self._collectives.run(self._program, args, placed, {"step": self._step + 1})
+            info = {"step": self._step + 1}
+            out = self._collectives.run(self._program, args, placed, info, self._record)
             self._params, self._opt = out.params, out.opt_state
         else:
             replicas, out = self._program(self._replicas, self._opt, *self._args(placed, self._step + 1))
@@ -379,6 +385,7 @@ class Trainer(Checkpointing):
         progress: bool | None = None,
         accumulate: int = 1,
         precision: str = "fp32",
+        collectives: bool = True,
     ) -> History:
         """Trains for ``steps`` steps (or ``epochs`` passes over arrays) and returns a ``History``.
 
@@ -416,6 +423,17 @@ class Trainer(Checkpointing):
             step whose scaled gradients overflow is skipped and the scale halved (not an error
             under ``on_nan="raise"``; ``History.overflowed`` counts them). On CPU a
             ``PrecisionWarning`` says it is not faster.
+          collectives: record each step's collectives in the ledger (``collective`` events, read
+            from the compiled step; the default). False leaves them out, for a fit that wants
+            them unrecorded or to measure what recording costs (``benchmarks/bench_train.py``:
+            nothing measurable); the step events and the batches' placements are recorded as ever.
+
+        A step that cannot fit the devices (its compiled program needs more than a device's
+        limit, or, on CPU devices, than the host's memory) is refused before it runs, with an
+        ``mg.OutOfMemoryError``; ``params``, ``opt_state`` and ``step`` stay those of the last
+        completed step. A step that runs out of memory while it runs has already taken the
+        state it was given (the step donates it): the error says so, ``step`` stays the last
+        completed one's, and the state must come back from a checkpoint (``resume=True``).
 
         Ctrl-C (the notebook's Stop button) stops at the next step boundary: ``params``,
         ``opt_state`` and ``step`` are those of the last completed step, ``history`` holds the
@@ -423,10 +441,19 @@ class Trainer(Checkpointing):
         """
         where = "Trainer.fit"
         k = len(self.targets.contexts)
+        if not isinstance(collectives, bool):
+            raise TypeError(
+                f"{where}: collectives must be True (record each step's collectives) or False, got "
+                f"{type(collectives).__name__} {collectives!r}"
+            )
         self._set_recipe(accumulate, precision, where)
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
         total = self._total(src, steps, epochs, where)
         self._begin(resume, where)
+        if self._lost is not None and self._params is self._given[0]:  # not restored by resume=True
+            raise RuntimeError(f"{where}: {self._lost}")
+        self._lost = None
+        self._record, self._begun, self._given = collectives, self._step, ()
         if resume and total is not None:
             total = max(total - self._step, 0)
         fit = Fit(where, self.targets.contexts, total, progress)
@@ -437,9 +464,30 @@ class Trainer(Checkpointing):
         feed = Feed(src, total, self._step + 1, self._place, self.prefetch, self._position, where)
         try:
             self._steps(feed, fit)
+        except OutOfMemoryError as e:
+            raise self._out_of_memory(e) from e.__cause__
         finally:
             self._fit_ended(feed)
         return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
+
+    def _out_of_memory(self, error: OutOfMemoryError) -> OutOfMemoryError:
+        """``error`` as it is where the failing step was refused before it ran (it took nothing:
+        the state is the last completed step's). Where the step ran and failed, it was given the
+        state (donated): ``step`` goes back to the last completed step's, and where the state is
+        gone it is marked lost and the error says so."""
+        if not self._given or self._params is self._given[0]:  # refused before it ran
+            return error
+        done = self.history.step[-1] if self.history is not None and len(self.history) else self._begun
+        self._step, (self._params, self._opt, self._replicas) = done, self._given  # not its outputs
+        given = [x for x in jax.tree_util.tree_leaves(self._given[:2]) if isinstance(x, jax.Array)]
+        if not any(x.is_deleted() for x in given):  # the backend kept what it was given
+            return error
+        self._lost = (
+            f"the trainer's state of step {done} was given to step {done + 1}, which ran out of memory "
+            "while it ran (a step donates its state, so that one copy is in memory), so it is gone; "
+            "restore a checkpoint (fit(..., resume=True)) or make a new Trainer"
+        )
+        return OutOfMemoryError(f"{error}\n{self._lost}")
 
     def _set_recipe(self, accumulate: Any, precision: Any, where: str) -> None:
         """Checks ``accumulate`` and ``precision`` and picks their step; a first fp16 fit starts
