@@ -206,6 +206,9 @@ def test_a_step_that_fails_while_it_runs_says_its_state_is_gone(monkeypatch):
     assert tr.step == 0
     with pytest.raises(RuntimeError, match=r"^Trainer.fit: the trainer.s state of step 0 was given to step"):
         tr.fit(data, steps=1, batch_size=32, progress=False)
+    for read, where in ((lambda: tr.params, "params"), (lambda: tr.opt_state, "opt_state")):
+        with pytest.raises(RuntimeError, match=rf"^Trainer.{where}: the trainer.s state of step 0 was given"):
+            read()
     mg.synchronize()  # the failed step's outputs hold its error: waited for, not raised again
 
 

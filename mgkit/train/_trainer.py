@@ -182,6 +182,7 @@ class Trainer(Checkpointing):
         whole, nothing is kept for later, and each read copies it again (keep the result). A
         model with leaves other than arrays (an Equinox module's activation) comes back with
         them as given."""
+        self._check_alive("Trainer.params")
         if self._layout is None:
             return self._model.join(self._params)
         return self._model.join(self._layout.read(self._params))
@@ -191,9 +192,15 @@ class Trainer(Checkpointing):
         """The optimizer state after the last completed step, of the model's arrays (as
         ``optimizer.init(eqx.filter(model, eqx.is_array))`` would make it; leaves stored padded
         read as ``params`` reads them)."""
+        self._check_alive("Trainer.opt_state")
         if self._layout is None:
             return self._opt
         return self._layout.read_state(self.optimizer, self._opt)
+
+    def _check_alive(self, where: str) -> None:
+        """Raises where a step that failed while it ran took the state with it (``_out_of_memory``)."""
+        if self._lost is not None and self._given and self._params is self._given[0]:
+            raise RuntimeError(f"{where}: {self._lost}")
 
     def state_shapes(self) -> dict:
         """The state as it lies on the contexts, for ``mg.show_sharding(tr)``: ``{"params": ...,
@@ -450,8 +457,7 @@ class Trainer(Checkpointing):
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
         total = self._total(src, steps, epochs, where)
         self._begin(resume, where)
-        if self._lost is not None and self._params is self._given[0]:  # not restored by resume=True
-            raise RuntimeError(f"{where}: {self._lost}")
+        self._check_alive(where)  # a lost state not restored by resume=True
         self._lost = None
         self._record, self._begun, self._given = collectives, self._step, ()
         if resume and total is not None:
@@ -539,6 +545,7 @@ class Trainer(Checkpointing):
     # -- checkpoints -------------------------------------------------------------------------
 
     def _state(self, position: dict | None) -> dict:
+        self._check_alive("Trainer.save")
         params, opt = self._params, self._opt
         if self._layout is not None:  # padded leaves say their own shape (restored into any padding)
             params, opt = self._layout.stored(self.optimizer, params, opt)
