@@ -34,9 +34,18 @@ def check_optimizer(optimizer: Any, where: str) -> optax.GradientTransformation:
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"{where}: optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3), "
-            f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}"
+            f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}{_maker_hint(optimizer)}"
         )
     return optimizer
+
+
+def _maker_hint(optimizer: Any) -> str:
+    """For an optimizer's name or its maker (``"adam"``, ``optax.adam``): how to make the optimizer."""
+    name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", None)
+    if not isinstance(name, str) or not callable(getattr(optax, name, None)):
+        return ""
+    what = f"{name!r} names" if isinstance(optimizer, str) else f"optax.{name} is the function that makes"
+    return f"; {what} an optimizer: make one with its learning rate, e.g. optax.{name}(1e-3)"
 
 
 def check_params(params: Any, where: str, what: str = "params") -> Model:
