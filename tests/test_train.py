@@ -429,6 +429,15 @@ def test_a_loss_function_that_fails_says_so():
         _fit(loss_fn=lambda p, b: b["missing"].sum())
 
 
+def test_a_none_leaf_the_loss_uses_is_named():
+    with pytest.raises(
+        TypeError,
+        match=r"failed on the first batch: unsupported operand .*NoneType'; params\['b1'\] is None: JAX "
+        r"holds None as an empty subtree, not an array.*give it an array",
+    ):
+        _fit(params={**_PARAMS, "b1": None}, steps=1)
+
+
 def test_the_iterable_ending_early_keeps_the_state_and_warns():
     tr = mg.Trainer(_loss, optax.sgd(0.1), _PARAMS)
     with warnings.catch_warnings(record=True) as caught:

@@ -134,13 +134,36 @@ def check_loss_on(
     try:
         out = jax.eval_shape(loss_fn, params, batch, *extra)
     except Exception as e:
+        nones = none_hint(e, {"params": params, "batch": batch})
         if key is None:
-            raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}") from e
+            raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}{nones}") from e
         raise type(e)(
-            f"{where}: loss_fn(params, batch, key) {on}: {e}. The key is passed because key= was given; "
-            "make loss_fn take (params, batch, key), or leave key= out"
+            f"{where}: loss_fn(params, batch, key) {on}: {e}{nones}. The key is passed because key= was "
+            "given; make loss_fn take (params, batch, key), or leave key= out"
         ) from e
     check_scalar_loss(out, has_aux, where)
+
+
+def none_hint(error: BaseException, trees: dict[str, Any]) -> str:
+    """For a function that failed on a None (``error`` names ``NoneType``): the paths of the
+    None leaves of the named trees it was given, and how to fix them; else ``""``. JAX holds a
+    None as an empty subtree, not an array, so it reaches the function as None."""
+    if not isinstance(error, TypeError | AttributeError) or "NoneType" not in str(error):
+        return ""
+    paths = [
+        f"{what}{jax.tree_util.keystr(path)}"
+        for what, tree in trees.items()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+        if leaf is None
+    ]
+    if not paths:
+        return ""
+    listed = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    return (
+        f"; {listed} {'is' if len(paths) == 1 else 'are'} None: JAX holds None as an empty subtree, not "
+        "an array, so the function gets None there; give it an array (e.g. jnp.zeros(shape)), or take "
+        "it out of the tree and out of the function"
+    )
 
 
 def device_context(name: Any, where: str, example: str = "dev0") -> _contexts.Context:
