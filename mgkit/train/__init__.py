@@ -33,6 +33,7 @@ from ._member import MemberError as MemberError
 from ._member import MemberResult as MemberResult
 from ._memory import MemoryTable as MemoryTable
 from ._memory import fits as fits
+from ._pipeline import FewerMicrobatches as FewerMicrobatches
 from ._pipeline import Pipeline as Pipeline
 from ._precision import PrecisionWarning as PrecisionWarning
 from ._trainer import Trainer as Trainer
@@ -41,6 +42,7 @@ __all__ = [
     "DataRanOut",
     "Ensemble",
     "EnsembleResult",
+    "FewerMicrobatches",
     "History",
     "Member",
     "MemberError",
