@@ -1,6 +1,7 @@
 """``mg.fits``: a training state's bytes per context planned from shapes, and bad input."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -21,6 +22,14 @@ def test_a_float64_batch_counts_as_the_float32_it_is_placed_as():
         )
     ]
     assert counted == [64 // 8 * 4 * 4] * 3
+
+
+def test_float64_params_count_as_the_float32_the_trainer_holds():
+    params = {"w": np.zeros((10, 3), np.float64), "b": np.zeros(3, np.float64)}
+    planned = mg.fits(params, optax.adam(1e-3), contexts=8).rows()[0]
+    tr = mg.Trainer(lambda p, b: jnp.mean(b @ p["w"] + p["b"]), optax.adam(1e-3), params, contexts=8)
+    held = tr.memory().rows()[0]
+    assert (planned.params, planned.opt_state) == (held.params, held.opt_state) == (33 * 4, 2 * 33 * 4 + 4)
 
 
 @pytest.mark.parametrize(
