@@ -134,7 +134,9 @@ def check_loss_on(
     try:
         out = jax.eval_shape(loss_fn, params, batch, *extra)
     except Exception as e:
-        nones = none_hint(e, {"params": params, "batch": batch})
+        model = getattr(loss_fn, "model", None)  # a bound loss (``Model.bind``): what it gives loss_fn
+        given = model.join(params) if isinstance(model, Model) else params
+        nones = none_hint(e, {"params": given, "batch": batch})
         if key is None:
             raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}{nones}") from e
         raise type(e)(
