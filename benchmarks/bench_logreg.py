@@ -20,7 +20,7 @@ then share a GPU). ``--contexts`` replaces either map. Both fit the same objecti
                       host -> device copy included) and with X already placed (a2: ``mg.put`` on
                       dev0, or row-sharded over the devices with a NamedSharding that mgkit
                       takes as it is). Goal: scikit-learn time / mgkit time >= 3.
-  (b) seed 000        8 independent 400 x 784 models (standard normal features, random 0/1
+  (b) Theano recipe   8 independent 400 x 784 models (standard normal features, random 0/1
                       labels, l2=0.01) with ``lr.fit_per_device`` on 8 contexts, from host numpy
                       (b1) and with each X already on its context via ``mg.put`` (b2), vs a
                       scikit-learn loop fitting the 8 models one after another
@@ -97,7 +97,7 @@ GOALS = {"a": 3.0, "b": 5.0, "c": None}  # on scikit-learn time / mgkit time (>=
 REL = 1e-6  # mgkit's objective may exceed scikit-learn's by this much (relative)
 TOL_FLOOR = 1e-9  # tightening stops here
 TIGHTEN = 10**0.5  # each tightening divides tol by this
-SEED_N, SEED_D, SEED_L2, SEED_MODELS = 400, 784, 0.01, 8  # case (b), Theano's seed 000
+SEED_N, SEED_D, SEED_L2, SEED_MODELS = 400, 784, 0.01, 8  # case (b), Theano's multiprocessing recipe
 SWEEP = np.logspace(-5, 1, 64)  # case (c)
 GIB = 2**30
 
@@ -427,7 +427,7 @@ class Bench:
         )
         return rows
 
-    def seed000(self) -> list[Row]:
+    def theano_recipe(self) -> list[Row]:
         """(b) 8 models of 400 x 784, one per context, with fit_per_device vs a scikit-learn loop."""
         args = self.args
         ctxs = list(self.names[:SEED_MODELS])
@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.simplefilter("ignore", lr.ConvergenceWarning)  # counted below from info.converged
         rows_a = bench.one_model()
         stages["a"] = time.perf_counter()
-        rows_b = bench.seed000()
+        rows_b = bench.theano_recipe()
         stages["b"] = time.perf_counter()
         row_c = bench.sweep()
         stages["c"] = time.perf_counter()

@@ -22,7 +22,7 @@ cleared between cases. Every timed call ends with ``jax.block_until_ready`` on i
                       over) and ``mg.parallel(lambda b, a: a @ b, in_axes=(None, 0))(B, A)`` vs the
                       jitted sharded sgemm; GFLOP/s, and a single-device ``jnp.dot`` for reference.
                       Goal: mgkit/jax throughput >= 0.95.
-  (d) seed 001        two ``--dot``-square dot products on d0 and d1 in one ``mg.run_each`` call
+  (d) context maps    two ``--dot``-square dot products on d0 and d1 in one ``mg.run_each`` call
                       over one dot product on d0 (inputs already on their devices), with the same
                       two dots dispatched by hand for reference. No goal: the figure only.
 
@@ -404,9 +404,9 @@ class Bench:
             rows.append(r)
         return rows, one
 
-    def seed001(self) -> tuple[Variant, Variant, Variant, int]:
+    def context_maps(self) -> tuple[Variant, Variant, Variant, int]:
         """(d) Two dot products on two contexts in one run_each call, vs one dot on one device."""
-        case = "(d) seed 001"
+        case = "(d) context maps"
         n = self.args.dot
         c0, c1 = self.names[0], self.names[1]
         d0, d1 = self.devices[0], self.devices[1]
@@ -576,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     stages["b"] = time.perf_counter()
     rows_c, one_c = bench.sgemm()
     stages["c"] = time.perf_counter()
-    two_d, raw_d, one_d, rounds_d = bench.seed001()
+    two_d, raw_d, one_d, rounds_d = bench.context_maps()
     stages["d"] = time.perf_counter()
     elapsed = time.perf_counter() - t_start
     load_after = load_average()
@@ -629,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     m = args.dot
     one = median(one_d.times)
     print(
-        f"(d) seed 001: two {m} x {m} float32 dot products, inputs already on their devices "
+        f"(d) context maps (Theano): two {m} x {m} float32 dot products, inputs already on their devices "
         f"({rounds_d} rounds, {bench.seed_events:.1f} ledger events per run_each call)"
     )
     print(
@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         throughput = r.goal is not None and r.goal[0] == ">="
         way = "jax time / mgkit time (throughput)" if throughput else "mgkit time / jax time"
         print(f"  {r.case}: {way} = {r.goal_ratio:.3f}, goal {_goal_text(r)}: {'met' if met else 'NOT met'}")
-    print(f"  (d) seed 001: run_each of two dots / one dot = {median(two_d.times) / one:.3f} (no goal)")
+    print(f"  (d) context maps: run_each of two dots / one dot = {median(two_d.times) / one:.3f} (no goal)")
     print()
     print("checks:")
     for line in bench.notes:

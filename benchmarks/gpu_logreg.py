@@ -101,7 +101,7 @@ def main() -> None:
             f"{gbps / bw:8.3f}          {sk_s / s:6.1f}    {host * 1e3:6.1f}"
         )
 
-    # Seed 000's size: 8 models of 400 x 784 on 8 contexts that share the GPU, against a
+    # Theano's recipe's size: 8 models of 400 x 784 on 8 contexts that share the GPU, against a
     # scikit-learn loop on the host.
     seeds = [(rng.standard_normal((400, 784)).astype(np.float32), rng.integers(0, 2, 400)) for _ in range(8)]
     C = 1 / (2 * 0.01 * 400)
@@ -113,7 +113,7 @@ def main() -> None:
     sk_models = sk_loop()
     mg.use_contexts(";".join(f"m{i}->{gpus[0]}" for i in range(8)) + ";host0->cpu0", verbose=False)
     placed = {f"m{i}": mg.put(s, f"m{i}") for i, s in enumerate(seeds)}
-    print(f"\nseed 000, 8 x (400 x 784) on 8 contexts sharing {gpus[0]} (one stacked program):")
+    print(f"\nTheano recipe, 8 x (400 x 784) on 8 contexts sharing {gpus[0]} (one stacked program):")
     print(f"scikit-learn loop (lbfgs, 8 fits on the host): {sk_s * 1e3:.1f} ms")
     for solver in ("auto", "newton", "lbfgs"):
 

@@ -10,7 +10,7 @@ stays under 8 minutes on one H100), printing ``[3/11] trainer on cuda0 ... 41.2 
   transfers            mg.put / mg.transfer against jax.device_put (``bench_transfer.py``)
   make_parallel, pmap  ``bench_parallel.py``'s (a)-(c); mg.pmap against jit of a shard_map
   logistic regression  ``gpu_logreg.py``'s cases: the copy bandwidth, 100,000 x 100 against
-                       scikit-learn, seed 000 on 8 contexts sharing the GPU, GPU + CPU, parity
+                       scikit-learn, Theano's recipe on 8 contexts sharing the GPU, GPU + CPU, parity
   trainer              MLP 784-256-10 at batch 256 and 16,384 against a hand-written step
                        (``bench_train.py``), on ``cuda0`` and on ``a->cuda0;b->cpu0``
   mixed precision      samples/s of ``fit(precision="bf16")`` and ``"fp16"`` against
@@ -88,8 +88,8 @@ class Sizes(NamedTuple):
     logreg_features: int  # its features
     logreg_repeats: int  # warm fits timed per solver
     copy_gib: float  # array size of the copy-bandwidth yardstick
-    seed_rows: int  # rows per model of seed 000 (8 models)
-    seed_features: int  # features per model of seed 000
+    seed_rows: int  # rows per model of Theano's recipe (8 models)
+    seed_features: int  # features per model of Theano's recipe
     train_batches: tuple[int, ...]  # the trainer's batch sizes
     train_steps: int  # steps per variant per round
     train_rounds: int  # ABBA rounds
@@ -259,7 +259,7 @@ def logreg(setup: Setup, rows: list[Row]) -> None:
         share = passes * X.nbytes * its / seconds / 1e9 / bw
         note = f"vs scikit-learn lbfgs on the host; {its} iterations, {n * its / seconds:.3g} samples/s, "
         rows.append(vs(f"{n:,} x {d} {solver}", seconds, sk_s, note + f"{share:.3f} of the copy bandwidth"))
-    seed_000(setup, rows)
+    theano_recipe(setup, rows)
     models = lr.fit_per_device(
         {c: (X[: s.seed_rows], y[: s.seed_rows]) for c in ("dev0", "host0")}, l2=0.01, progress=False
     )
@@ -268,7 +268,7 @@ def logreg(setup: Setup, rows: list[Row]) -> None:
     parity(rows)
 
 
-def seed_000(setup: Setup, rows: list[Row]) -> None:
+def theano_recipe(setup: Setup, rows: list[Row]) -> None:
     """8 models on 8 contexts sharing the GPU, against a scikit-learn loop on the host."""
     from sklearn.linear_model import LogisticRegression
 
@@ -288,7 +288,7 @@ def seed_000(setup: Setup, rows: list[Row]) -> None:
             lambda solver=solver: mg.logreg.fit_per_device(placed, l2=0.01, solver=solver, progress=False), 10
         )
         rows.append(
-            vs(f"seed 000, 8 x {shape[0]} x {shape[1]}, {solver}", seconds, sk_s, "vs scikit-learn loop")
+            vs(f"Theano recipe, 8 x {shape[0]} x {shape[1]}, {solver}", seconds, sk_s, "vs scikit-learn loop")
         )
     mg.use_contexts(f"dev0->{setup.gpu};host0->{setup.host}", verbose=False)
 

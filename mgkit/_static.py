@@ -37,10 +37,6 @@ def is_static(leaf: Any) -> bool:
     return not isinstance(leaf, (*ARRAY_TYPES, jax.ShapeDtypeStruct, numbers.Number))
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 class Model:
     """A model split as ``eqx.partition(model, eqx.is_array)`` splits it.
 
@@ -64,7 +60,7 @@ class Model:
         """The model with ``arrays`` (a tree like :attr:`arrays`) and the leaves held static."""
         if self.plain:
             return arrays
-        flat = jax.tree_util.tree_leaves(arrays, is_leaf=_is_none)
+        flat = self._treedef.flatten_up_to(arrays)  # a None of the model's own stays structure
         merged = [x if a else s for x, s, a in zip(flat, self._static, self._mask, strict=True)]
         return jax.tree_util.tree_unflatten(self._treedef, merged)
 
@@ -77,6 +73,7 @@ class Model:
         def bound(arrays: Any, *rest: Any) -> Any:
             return fn(self.join(arrays), *rest)
 
+        bound.model = self  # what it joins the arrays with: messages name what fn was given
         return bound
 
     def arrays_of(self, tree: Any, where: str, what: str) -> Any:

@@ -18,7 +18,7 @@ from ._contexts import HOST_CONTEXT, Context, resolve
 from ._errors import ContextError
 from ._ledger import Event, Kind, execution_label, ledger
 from ._oom import note_placed, raise_if_out_of_memory
-from ._static import held
+from ._static import describe, held
 
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, numbers.Number)
 
@@ -320,13 +320,19 @@ def colocate(*trees: Any, to: str | jax.Device) -> tuple:
 def where(tree: Any) -> str | dict:
     """The context a pytree lives on: one name when every leaf is on the same context, else a
     dict leaf path -> context name (``host`` for numpy). Leaves held static (an Equinox
-    module's functions: ``mg.Trainer``) live nowhere and are left out."""
-    tree = held(tree)
-    leaves, _ = leaves_of(tree, "where")
+    module's functions: ``mg.Trainer``) live nowhere and are left out; a tree with no array or
+    number at all (a string, ``{}``, ``None``) lives nowhere: a ValueError naming it."""
+    arrays = held(tree)
+    leaves, _ = leaves_of(arrays, "where")
+    if not leaves:
+        raise ValueError(
+            f"where: {describe(tree)} holds no arrays, so it lives on no context; give an array or "
+            "a pytree with arrays (numbers live on the host)"
+        )
     names = [source(leaf)[0].name for leaf in leaves]
     if len(set(names)) == 1:
         return names[0]
-    return dict(zip(leaf_paths(tree), names, strict=True))
+    return dict(zip(leaf_paths(arrays), names, strict=True))
 
 
 def synchronize(ctx: str | jax.Device | None = None) -> None:

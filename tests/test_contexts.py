@@ -1,4 +1,4 @@
-"""Context maps (seed 001's syntax), the ``on`` scope, and name lookup."""
+"""Context maps (the syntax of Theano's context maps), the ``on`` scope, and name lookup."""
 
 import threading
 import time

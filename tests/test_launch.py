@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -42,12 +43,37 @@ def _no_children() -> None:
     assert not [p for p in left if "mgkit.launching" in " ".join(p.cmdline())], left
 
 
+@pytest.fixture
+def launch_tmp(tmp_path, monkeypatch):
+    """The test's own temporary directory, where launches make their folder of stacks files."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _none_left(tmp) -> None:
+    """Nothing a launch made is left in the temporary directory ``tmp``."""
+    assert not sorted(p.name for p in tmp.glob("mgkit-launch-*")), list(tmp.iterdir())
+
+
 def _marks(tail, word):
     """The times a rank printed as ``word <time.time()>`` just before it failed."""
     return [float(line.split()[-1]) for line in tail if line.startswith(word)]
 
 
-def test_values_shared_private_and_output(capfd):
+def test_values_shared_private_and_output(capfd, launch_tmp):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    left = {  # folders earlier launches left: a dead kernel's are removed, others kept
+        f"mgkit-launch-{int(dead.stdout)}-gone": ["rank0.txt", "rank1.txt"],
+        f"mgkit-launch-{int(dead.stdout)}-mine": ["notes.txt"],  # not only stacks files: kept
+        f"mgkit-launch-{os.getpid()}-alive": ["rank0.txt"],  # its kernel lives: kept
+    }
+    for name, files in left.items():
+        (launch_tmp / name).mkdir()
+        for f in files:
+            (launch_tmp / name / f).write_text("")
+
     def work(rank, shared, private):
         import jax
 
@@ -67,9 +93,12 @@ def test_values_shared_private_and_output(capfd):
     kinds = {e.info["event"] for e in mg.ledger().records("launch")}
     assert {"ready", "done"} <= kinds
     _no_children()
+    assert sorted(p.name for p in launch_tmp.iterdir()) == sorted(
+        set(left) - {f"mgkit-launch-{int(dead.stdout)}-gone"}
+    )
 
 
-def test_a_rank_raises_others_stop_values_kept():
+def test_a_rank_raises_others_stop_values_kept(launch_tmp):
     def work(rank, shared, private):
         import time
 
@@ -98,6 +127,7 @@ def test_a_rank_raises_others_stop_values_kept():
     assert "terminated after rank 1 failed" in str(err)
     _gone([r.pid for r in err.ranks], within=0.5)
     _no_children()
+    _none_left(launch_tmp)
     assert time.perf_counter() - t0 < 30
 
 
@@ -181,7 +211,7 @@ def test_stall_reports_stacks_and_steps_then_stops():
     _no_children()
 
 
-def test_timeout_stops_every_rank_and_reports_each_with_its_step_and_stack():
+def test_timeout_stops_every_rank_and_reports_each_with_its_step_and_stack(launch_tmp):
     def work(rank, shared, private):
         import time
 
@@ -214,9 +244,10 @@ def test_timeout_stops_every_rank_and_reports_each_with_its_step_and_stack():
     assert "last completed steps: rank 0: step 3, rank 1: step 4" in str(err)
     _gone([r.pid for r in err.ranks], within=1.0)
     _no_children()
+    _none_left(launch_tmp)
 
 
-def test_interrupt_stops_all_within_grace_then_relaunch_works():
+def test_interrupt_stops_all_within_grace_then_relaunch_works(launch_tmp):
     """Ctrl-C in the kernel: every rank gone within grace + 5 s, even one that ignores SIGTERM."""
 
     def work(rank, shared, private):
@@ -248,6 +279,7 @@ def test_interrupt_stops_all_within_grace_then_relaunch_works():
     _gone(pids, within=1.0 + 5.0)
     assert time.perf_counter() - pressed[0] < 1.0 + 5.0  # control back, every rank gone
     _no_children()
+    _none_left(launch_tmp)
     assert mg.launch(lambda rank, shared, private: rank + 1, nprocs=2, stream=False).values == [1, 2]
 
 
@@ -270,6 +302,7 @@ def test_kernel_killed_children_exit_within_a_second(tmp_path):
         )
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    env["TMPDIR"] = str(tmp_path)  # where the launch makes its folder, which the ranks remove
     kernel = subprocess.Popen([sys.executable, "-u", str(script)], stdout=subprocess.PIPE, text=True, env=env)
     pids = []
     try:
@@ -278,9 +311,11 @@ def test_kernel_killed_children_exit_within_a_second(tmp_path):
             assert line, "the kernel ended before its ranks started"
             if " pid " in line:
                 pids.append(int(line.split()[-1]))
+        assert len(list(tmp_path.glob("mgkit-launch-*"))) == 1  # the launch's, while it runs
         kernel.kill()
         kernel.wait()
         assert _gone(pids, within=1.0) < 1.0
+        _none_left(tmp_path)  # the kernel could not remove it: its ranks did
     finally:
         if kernel.poll() is None:
             kernel.kill()

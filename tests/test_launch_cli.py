@@ -205,6 +205,21 @@ def test_worker_names_the_flags_or_the_cluster_it_needs(tmp_path, args, env, wor
     assert "coordinator_address should be defined" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    "target, first",
+    [
+        ("missing.py:work", "'missing.py' is not a file; give pkg.module:function"),
+        ("nosuchmodule:work", "no module named 'nosuchmodule'; give pkg.module:function"),
+    ],
+)
+def test_worker_names_a_wrong_target_before_a_missing_cluster_and_both(tmp_path, target, first):
+    out = _worker(tmp_path, target, flags=False)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert lines[0].startswith(f"mgkit worker: error: {first}"), out.stderr
+    assert lines[1].startswith("mgkit worker: error: no cluster to join: give --coordinator"), out.stderr
+
+
 def test_worker_names_the_part_of_a_value_it_cannot_write(tmp_path):
     (tmp_path / "job.py").write_text(CHECKED)
     out = _worker(tmp_path, "job:work", "--out", "values")

@@ -1,4 +1,4 @@
-"""Logistic regression: parity with scikit-learn, the three layouts, the seed's gradient descent,
+"""Logistic regression: parity with scikit-learn, the three layouts, Theano's recipe's gradient descent,
 telemetry, convergence warnings and bad input."""
 
 import collections
@@ -100,7 +100,7 @@ def test_c_maps_to_l2(small):
 def test_short_sums_skip_the_tree_split_on_cpus_only():
     opts = _checks.options("auto", None, 1e-5, 0.1, False, "test")
     spec = functools.partial(_programs.make_spec, opts, reduce=False, models=1, held=400)
-    assert spec(784, 1, "cpu", rows=400).short_sums  # seed 000
+    assert spec(784, 1, "cpu", rows=400).short_sums  # Theano's recipe's size
     assert spec(100, 1, "cpu", rows=12_500).short_sums  # 100k rows over 8 contexts
     assert not spec(100, 1, "cpu", rows=100_000).short_sums  # one context's 100k-row sums are split
     assert not spec(20_000, 1, "cpu", rows=400).short_sums  # 20k parameters
@@ -195,8 +195,8 @@ def test_any_distinct_labels_come_back(small, labels):
 # -- fit_per_device ------------------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # 300 of the seed's 10000 steps
-def test_seed_000_gradient_descent_is_exact():
+@pytest.mark.filterwarnings("ignore::mgkit.logreg.ConvergenceWarning")  # 300 of the recipe's 10000 steps
+def test_theano_recipe_gradient_descent_is_exact():
     """Theano's recipe: 400 x 784, random labels, 0.01 * ||w||^2, steps of 0.1, on two devices."""
     rng = np.random.default_rng(1)
     N, feats, steps = 400, 784, 300
@@ -209,7 +209,7 @@ def test_seed_000_gradient_descent_is_exact():
         assert m.info.history()[-1] == pytest.approx(lr.objective(m, X64, y64, 0.01), rel=1e-5)
         X, y = (np.asarray(a, np.float32) for a in data[ctx])
         w, b = np.asarray(init[ctx][0], np.float32), np.float32(0)
-        for _ in range(steps):  # the seed's update, by hand
+        for _ in range(steps):  # the recipe's update, by hand
             p = 1 / (1 + np.exp(-(X @ w + b)))
             w, b = w - 0.1 * (X.T @ (p - y) / N + 0.02 * w), b - 0.1 * np.mean(p - y)
         np.testing.assert_allclose(np.asarray(m.w), w, atol=2e-5)
@@ -502,7 +502,7 @@ def test_a_fit_shorter_than_the_report_interval_reports_its_last_step_only(small
 def test_reports_come_about_a_tenth_of_a_second_of_work_apart(monkeypatch):
     every = _programs.iterations_per_call
     monkeypatch.setattr(_programs, "_cores", lambda: 2)
-    assert every("lbfgs", 784, 1, "cpu", 400) == 587  # seed 000: 400 x 785 per iteration, and 45 us
+    assert every("lbfgs", 784, 1, "cpu", 400) == 587  # Theano's recipe: 400 x 785 per iteration, and 45 us
     assert every("lbfgs", 100, 1, "cpu", 100_000) == 25  # 100k x 101
     assert every("newton", 30, 1, "cpu", 569) == 374  # a 31 x 31 Hessian per row, and its factor
     assert every("lbfgs", 784, 1, "gpu", 400) == 1379  # accelerators: ten times the work, 60 us

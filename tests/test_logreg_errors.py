@@ -57,6 +57,57 @@ def test_prediction_of_strings(model, call):
         getattr(lr, call)(model, [[1.0, 2.0], [3.0]])
 
 
+KINDS = [  # the models the fits make, built from the binary fit (the same shapes, no compiles)
+    "binary",
+    "multiclass",
+    "string labels",
+    "stacked binary (fit_many)",
+    "stacked multiclass (fit_many)",
+    "per device (fit_per_device)",
+]
+PREDICTIONS = ["decision_function", "predict_proba", "predict_index", "predict", "score"]
+
+
+@pytest.fixture(scope="module")
+def kinds(model):
+    w, b = np.asarray(model.w), np.asarray(model.b)
+    multi = model._replace(w=jnp.zeros((2, 3)), b=jnp.zeros(3), classes=np.array([0, 1, 2]))
+    on = lambda m, ctx: m._replace(w=mg.put(m.w, ctx), b=mg.put(m.b, ctx))  # noqa: E731
+    return {
+        "binary": model,
+        "multiclass": multi,
+        "string labels": model._replace(classes=np.array(["no", "yes"])),
+        "stacked binary (fit_many)": model._replace(w=jnp.stack([w, w]), b=jnp.stack([b, b])),
+        "stacked multiclass (fit_many)": multi._replace(w=jnp.zeros((2, 2, 3)), b=jnp.zeros((2, 3))),
+        "per device (fit_per_device)": {"dev1": on(multi, "dev1"), "dev2": on(model, "dev2")},
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("call", PREDICTIONS)
+def test_every_prediction_of_every_kind_of_model_names_the_function_called(kinds, kind, call):
+    fn = getattr(lr, call)
+    rest = (np.zeros(1),) if call == "score" else ()
+    models = kinds[kind]
+    if isinstance(models, dict):  # fit_per_device's dict: each of its models, and the dict itself
+        with pytest.raises(
+            TypeError,
+            match=rf"^{call}: the first argument must be a model .*got dict of 2 models \(fit_per_device's, "
+            rf"one per context\); call {call} with one of them, e.g\. {call}\(models\['dev1'\], \.\.\.\)",
+        ):
+            fn(models, np.array([["a", "b"]]), *rest)
+        models = models["dev2"]
+    for X, said in [
+        (np.array([["a", "b"]]), r"X has dtype <U1; features must be real numbers"),
+        ([["a", "b"]], r"X has dtype <U1"),
+        ([[1.0, None]], r"X has dtype object"),
+        (np.ones((1, 3)), r"X has 3 features \(shape \(1, 3\)\), but the model was fitted on 2"),
+        (np.full((1, 2), np.nan), r"X has 2 NaN or infinite value\(s\)"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=rf"^{call}: {said}"):
+            fn(models, X, *rest)
+
+
 def test_score_of_strings(model):
     with pytest.raises(TypeError, match=r"^score: X has dtype <U1"):
         lr.score(model, np.array([["a", "b"]]), [0])

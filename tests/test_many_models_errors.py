@@ -106,6 +106,13 @@ CASES = {
         KeyError,
         r"Member: loss_fn\(params, batch\) fails on a batch of 12 rows of data",
     ),
+    "a member whose loss uses a None leaf": (
+        lambda: mg.Member(
+            lambda p, b: jnp.mean(b[0] @ p["w"] + p["b"]), optax.sgd(0.1), {**P, "b": None}, data=(X, Y)
+        ),
+        TypeError,
+        r"fails on a batch of 12 rows of data: unsupported operand .*NoneType'; params\['b'\] is None: JAX",
+    ),
     "a batch larger than the data": (
         lambda: _member(batch_size=50),
         ValueError,
@@ -174,6 +181,14 @@ CASES = {
         ),
         ValueError,
         r"stage 0 \(dev0, _stage0\) outputs float32\[12,6\], which stage 1 \(dev1, _stage1\) cannot take",
+    ),
+    "a stage that uses a None leaf": (
+        lambda: _pipe(
+            [("dev0", lambda p, x: x @ p["w"] + p["b"], {**P0, "b": None}), ("dev1", _stage1, P1)]
+        ).value_and_grad(batch=(X, Y)),
+        TypeError,
+        r"stage 0 \(dev0, <lambda>\) failed: unsupported operand .*NoneType'; stage 0 \(dev0, <lambda>\)'s "
+        r"params\['b'\] is None: JAX holds None as an empty subtree",
     ),
     "inputs the first stage cannot take": (
         lambda: _pipe().value_and_grad(batch=(X[:, :3], Y)),

@@ -119,7 +119,7 @@ def test_make_parallel_equals_fn_for_every_batch_size_per_context(n):
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
 
 
-def test_seed_004_vector_add():
+def test_make_parallel_recipe_vector_add():
     a = np.random.default_rng(0).uniform(size=(1000, 100)).astype(np.float32)
     b = np.random.default_rng(1).uniform(size=(1000, 100)).astype(np.float32)
     c = mg.make_parallel(lambda a, b: a + b, contexts=2, a=a, b=b)
@@ -348,7 +348,7 @@ def test_each_part_backward_pass_runs_on_its_own_device():
     assert str(jaxpr).count("shard_map") >= 2  # forward and transpose
 
 
-def test_seed_004_polynomial_fit_reaches_5_0_3():
+def test_make_parallel_recipe_polynomial_fit_reaches_5_0_3():
     f = mg.parallel(_poly, in_axes=(None, 0, 0))
     opt = optax.adam(0.1)
     w = jnp.zeros(3)
@@ -398,7 +398,7 @@ def test_pmap_shared_arguments_and_subsets_of_contexts():
 # -- run_each ------------------------------------------------------------------------------
 
 
-def test_run_each_seed_001_two_dots_dispatches_before_waiting(monkeypatch):
+def test_run_each_context_maps_two_dots_dispatches_before_waiting(monkeypatch):
     rng = np.random.default_rng(0)
     a0, b0 = (mg.put(rng.random((64, 64), dtype=np.float32), "dev0") for _ in range(2))
     a1, b1 = (mg.put(rng.random((64, 64), dtype=np.float32), "dev1") for _ in range(2))

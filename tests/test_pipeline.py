@@ -333,6 +333,32 @@ def test_a_pipeline_whose_data_runs_out_warns_as_the_trainer_does():
     assert pipe.step == 2 and hist.stopped == "data ran out"
 
 
+def test_batches_with_fewer_rows_than_microbatches_are_refused_or_warned():
+    fns, params, X, y = _model(2)
+    pipe = mg.Pipeline(
+        list(zip(["dev0", "dev1"], fns, params, strict=True)),
+        loss=_xent,
+        optimizer=optax.sgd(0.1),
+        microbatches=8,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"Pipeline\.fit: batch_size is 4, fewer than microbatches=8: each batch would run as 4 "
+        r"microbatches of one row, not 8; use batch_size >= 8 .*or mg\.Pipeline\(\.\.\., microbatches=4\)",
+    ):
+        pipe.fit((X, y), steps=1, batch_size=4, progress=False)
+    assert pipe.step == 0  # nothing ran
+    batches = [(X[:8], y[:8]), (X[:4], y[:4]), (X[:3], y[:3])]  # a loader's batches, the later ones short
+    with pytest.warns(mg.train.FewerMicrobatches) as caught:
+        pipe.fit(batches, steps=3, progress=False)
+    assert [str(w.message) for w in caught] == [  # once a fit, naming the first short step
+        "Pipeline.fit: step 2's batch has 4 row(s), fewer than microbatches=8: it runs as 4 microbatches of "
+        "one row (as a loader's short last batch does); if every batch is this short, use "
+        "mg.Pipeline(..., microbatches=4) or larger batches (said once a fit)"
+    ]
+    assert pipe.step == 3
+
+
 def test_stages_on_one_device_read_each_loss_one_step_late_with_the_same_result():
     """On one device a step's loss is read after the next step's dispatch (the skeleton's rule):
     the update is gated on the device, so a NaN step still leaves its update out, and the step

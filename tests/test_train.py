@@ -429,6 +429,28 @@ def test_a_loss_function_that_fails_says_so():
         _fit(loss_fn=lambda p, b: b["missing"].sum())
 
 
+def test_a_none_leaf_the_loss_uses_is_named():
+    with pytest.raises(
+        TypeError,
+        match=r"failed on the first batch: unsupported operand .*NoneType'; params\['b1'\] is None: JAX "
+        r"holds None as an empty subtree, not an array.*give it an array",
+    ):
+        _fit(params={**_PARAMS, "b1": None}, steps=1)
+    with pytest.raises(TypeError, match=r"NoneType'; params\['b1'\] is None: JAX holds") as info:
+        _fit(params={**_PARAMS, "b1": None, "act": np.tanh}, steps=1)  # a leaf held static: not None
+    assert "act" not in str(info.value)
+
+
+def test_a_none_leaf_beside_a_leaf_held_static_trains():
+    def loss(p, b):
+        return _loss({k: v for k, v in p.items() if k != "act"}, {**b, "x": p["act"](b["x"])})
+
+    params = {**_PARAMS, "unused": None, "act": jnp.tanh}  # None: an empty subtree; act: held static
+    tr = mg.Trainer(loss, optax.sgd(0.1), params)
+    tr.fit(_DATA, steps=2, progress=False)
+    assert tr.step == 2 and tr.params["unused"] is None and tr.params["act"] is jnp.tanh
+
+
 def test_the_iterable_ending_early_keeps_the_state_and_warns():
     tr = mg.Trainer(_loss, optax.sgd(0.1), _PARAMS)
     with warnings.catch_warnings(record=True) as caught:

@@ -1,5 +1,7 @@
 """put / transfer / colocate / synchronize, and the events they leave in the ledger."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -133,6 +135,18 @@ def test_colocate_moves_several_trees_to_one_context():
 def test_where_reports_mixed_placement():
     out = mg.where({"a": mg.put(1.0, "dev0"), "b": np.ones(1)})
     assert out == {"['a']": "dev0", "['b']": "host"}
+
+
+@pytest.mark.parametrize(
+    "tree, named",
+    [("train.csv", "str 'train.csv'"), ({}, "dict {}"), ({"act": np.tanh}, "dict {'act': <ufunc")],
+)
+def test_where_of_a_tree_without_arrays_says_it_holds_none(tree, named):
+    with pytest.raises(
+        ValueError, match=re.escape(f"where: {named}") + ".* holds no arrays, so it lives on no context"
+    ):
+        mg.where(tree)
+    assert mg.where({"act": np.tanh, "w": mg.put(np.ones(2), "dev3")}) == "dev3"  # static leaves left out
 
 
 def test_sharded_array_source_is_named():

@@ -21,17 +21,20 @@ import traceback
 
 from .. import _beat
 from . import _check, _wire
+from ._processes import leave_stacks
 
 EXIT_LIFELINE = 70  # the kernel's end of the lifeline closed: it died or gave up on this rank
 
 
-def _lifeline(fd: int) -> None:
-    """Blocks on the kernel's pipe; when it ends, so does this process (no clean-up that could hang)."""
+def _lifeline(fd: int, stacks: str) -> None:
+    """Blocks on the kernel's pipe; when it ends, so does this process, removing its stacks file
+    (the kernel may be dead: ``leave_stacks``) and nothing that could hang."""
     try:
         while os.read(fd, 4096):
             pass
     except OSError:
         pass
+    leave_stacks(stacks)
     os._exit(EXIT_LIFELINE)
 
 
@@ -113,11 +116,13 @@ def main(argv: list[str]) -> None:
     if any(f is None for f in frames):
         os._exit(EXIT_LIFELINE)
     header = pickle.loads(frames[0])
-    threading.Thread(target=_lifeline, args=(fd_in,), name="mgkit-lifeline", daemon=True).start()
+    stacks = open(header["stacks"], "w")  # noqa: SIM115 - open for the process's life
+    threading.Thread(
+        target=_lifeline, args=(fd_in, header["stacks"]), name="mgkit-lifeline", daemon=True
+    ).start()
     channel = _wire.Channel(fd_out)
     rank = header["rank"]
     sys.path[:0] = [p for p in header["sys_path"] if p not in sys.path]
-    stacks = open(header["stacks"], "w")  # noqa: SIM115 - open for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=sys.stderr)
     channel.send(_wire.Started())  # from now on SIGUSR1 writes the stacks, nothing worse

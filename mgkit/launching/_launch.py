@@ -14,7 +14,6 @@ import itertools
 import queue
 import shutil
 import sys
-import tempfile
 import time
 from typing import Any, NamedTuple
 
@@ -22,7 +21,7 @@ from .._ledger import execution_label, ledger
 from . import _plan
 from ._blame import Judge
 from ._events import launch_event
-from ._processes import KILL_WAIT, Heard, Process, ask_stacks, kill_all, spawn, stacks_path
+from ._processes import KILL_WAIT, Heard, Process, ask_stacks, kill_all, spawn, stacks_folder, stacks_path
 from ._ranks import RankState
 from ._result import LaunchResult, RankInfo, launch_error, load_value
 from ._watch import Silence, silences
@@ -273,7 +272,7 @@ def launch(
     >>> res.values  # doctest: +SKIP
     [0, 10]
     """
-    stacks_dir = tempfile.mkdtemp(prefix="mgkit-launch-")
+    stacks_dir = stacks_folder()
     try:
         plan = _plan.plan(
             fn,

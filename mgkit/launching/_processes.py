@@ -4,7 +4,9 @@ Each rank is a fresh interpreter (``python -m mgkit.launching``; JAX cannot be f
 session of its own, so that the notebook's Interrupt, which signals the kernel's process group,
 does not reach it. Its arguments go in over one pipe, which then stays open as its lifeline;
 its messages come back over another, and its output over stdout and stderr. A thread per pipe
-hands what it reads to the kernel as ``Heard`` items.
+hands what it reads to the kernel as ``Heard`` items. A rank's stacks go to a file in the
+launch's folder (``stacks_folder``), which the launch removes, or its ranks when the kernel is
+killed (``leave_stacks``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -173,6 +178,52 @@ def ask_stacks(processes: list[Process], stacks_dir: str) -> dict[int, str]:
 def stacks_path(stacks_dir: str, rank: int) -> str:
     """The file rank ``rank`` writes its stacks to when asked."""
     return os.path.join(stacks_dir, f"rank{rank}.txt")
+
+
+STACKS_PREFIX = "mgkit-launch-"  # a launch's folder of stacks files: mgkit-launch-<kernel pid>-<random>
+_STACKS_FILE = re.compile(r"rank\d+\.txt")
+
+
+def stacks_folder() -> str:
+    """A fresh folder in the temporary directory for a launch's stacks files, named by this
+    process's pid. The folders that launches of a process that is gone left behind (a kernel
+    killed mid-launch, whose ranks could not all remove theirs) are removed first: only
+    this user's, holding nothing but stacks files."""
+    tmp = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp):
+            pid = name[len(STACKS_PREFIX) :].split("-")[0]
+            if name.startswith(STACKS_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                _remove_left(os.path.join(tmp, name))
+    return tempfile.mkdtemp(prefix=f"{STACKS_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def _remove_left(folder: str) -> None:
+    """Removes a launch's folder left behind, if it is this user's and holds only stacks files."""
+    with contextlib.suppress(OSError):
+        if os.stat(folder).st_uid == os.getuid() and all(
+            _STACKS_FILE.fullmatch(f) for f in os.listdir(folder)
+        ):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def leave_stacks(path: str) -> None:
+    """A rank whose kernel is gone removes its stacks file, and the folder once it is empty (the
+    last rank out removes it): the kernel, killed, cannot."""
+    with contextlib.suppress(OSError):
+        os.remove(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
 
 
 def signal_group(pid: int, sig: int) -> None:

@@ -5,9 +5,10 @@
 cluster detection: Slurm, Open MPI) and calls ``function(rank, shared, private)`` with
 ``rank = jax.process_index()``, as ``mg.launch`` would; a script without a function runs as
 ``__main__`` once JAX is up. So a job scales out with ``srun`` or ``mpirun`` and no cluster
-manager of mgkit's own. Everything that can be checked is checked before joining (the flags or
-the cluster's variables, the module and function and its signature, ``--shared``, ``--out``): a
-bad command line gets one line and exit code 2. A value that cannot be written to ``--out`` is
+manager of mgkit's own. Everything that can be checked is checked before joining (the target,
+then the flags or the cluster's variables, the function and its signature, ``--shared``,
+``--out``): a bad command line gets a line for what is wrong (the target and the cluster both,
+when both are) and exit code 2. A value that cannot be written to ``--out`` is
 named by its part, as ``mg.launch`` names it.
 
 ``mgkit run --devices 1 script.py`` runs a script pinned to the listed devices (separate
@@ -145,6 +146,13 @@ def _target(text: str) -> tuple[str, str | None, bool]:
             f"{text!r} names a module but no function; give it as {text}:function "
             "(the function is called as function(rank, shared, private))"
         )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if importlib.util.find_spec(where.split(".")[0]) is None:
+        raise UsageError(
+            f"no module named {where!r}; give pkg.module:function with the module importable from "
+            f"the current folder ({os.getcwd()}) or PYTHONPATH, or script.py:function"
+        )
     return where, name, False
 
 
@@ -154,13 +162,7 @@ def _load(where: str, name: str, is_path: bool) -> Callable:
     if is_path:
         namespace = runpy.run_path(where, run_name="__mgkit_worker__")
     else:
-        sys.path.insert(0, os.getcwd())
-        if importlib.util.find_spec(where.split(".")[0]) is None:
-            raise UsageError(
-                f"no module named {where!r}; give pkg.module:function with the module importable from "
-                f"the current folder ({os.getcwd()}) or PYTHONPATH, or script.py:function"
-            )
-        namespace = vars(importlib.import_module(where))
+        namespace = vars(importlib.import_module(where))  # found by _target
     if name not in namespace or not callable(namespace[name]):
         found = sorted(k for k, v in namespace.items() if callable(v) and not k.startswith("_"))[:10]
         raise UsageError(f"{where} has no function {name!r}; its functions: {', '.join(found) or 'none'}")
@@ -205,10 +207,14 @@ def _make_out(path: str | None) -> Path | None:
 
 
 def _prepare(args: argparse.Namespace) -> Job:
-    """Every check that can be made before joining jax.distributed: the cluster, the target (its
-    module or script is imported here: keep JAX computations inside the function), --shared, --out."""
-    _check_cluster(args)
-    where, name, is_path = _target(args.target)
+    """Every check that can be made before joining jax.distributed: the target, the cluster (a
+    UsageError of a line for each when both are wrong), --out, the target's function (its module
+    or script is imported here: keep JAX computations inside the function), --shared."""
+    found = [_attempt(_target, args.target), _attempt(_check_cluster, args)]
+    wrong = [str(f) for f in found if isinstance(f, UsageError)]
+    if wrong:
+        raise UsageError("\n".join(wrong))
+    where, name, is_path = found[0]
     out = _make_out(args.out)
     if args.devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(args.devices)
@@ -217,6 +223,14 @@ def _prepare(args: argparse.Namespace) -> Job:
         simulate(len(args.devices))
     fn = None if name is None else _load(where, name, is_path)
     return Job(where, fn, _read_shared(args.shared), out)
+
+
+def _attempt(check: Callable, arg: Any) -> Any:
+    """``check(arg)``, or the UsageError it raised."""
+    try:
+        return check(arg)
+    except UsageError as exc:
+        return exc
 
 
 def _join(args: argparse.Namespace) -> None:
@@ -260,7 +274,8 @@ def worker_main(args: argparse.Namespace) -> int:
     try:
         job = _prepare(args)
     except UsageError as exc:
-        print(f"mgkit worker: error: {exc}", file=sys.stderr, flush=True)
+        for line in str(exc).splitlines():  # a line for each thing that is wrong
+            print(f"mgkit worker: error: {line}", file=sys.stderr, flush=True)
         return 2
     import jax
 

@@ -82,9 +82,16 @@ def _binary(model: Model) -> bool:
 
 def _check_model(model: Any, where: str) -> None:
     if not isinstance(model, Model):
+        models = isinstance(model, dict) and model and all(isinstance(m, Model) for m in model.values())
+        hint = (
+            f" of {len(model)} models (fit_per_device's, one per context); call {where} with one of "
+            f"them, e.g. {where}(models[{next(iter(model))!r}], ...)"
+            if models
+            else ""
+        )
         raise TypeError(
             f"{where}: the first argument must be a model from mg.logreg.fit (a Model), got "
-            f"{type(model).__name__}"
+            f"{type(model).__name__}{hint}"
         )
 
 

@@ -35,6 +35,7 @@ from ._member import MemberError as MemberError
 from ._member import MemberResult as MemberResult
 from ._memory import MemoryTable as MemoryTable
 from ._memory import fits as fits
+from ._pipeline import FewerMicrobatches as FewerMicrobatches
 from ._pipeline import Pipeline as Pipeline
 from ._precision import PrecisionWarning as PrecisionWarning
 from ._trainer import Trainer as Trainer
@@ -44,6 +45,7 @@ __all__ = [
     "DataRanOut",
     "Ensemble",
     "EnsembleResult",
+    "FewerMicrobatches",
     "History",
     "Member",
     "MemberError",

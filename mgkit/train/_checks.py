@@ -34,7 +34,7 @@ def check_optimizer(optimizer: Any, where: str) -> optax.GradientTransformation:
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"{where}: optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3), "
-            f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}"
+            f"optax.sgd(0.1)); got {type(optimizer).__name__} {optimizer!r:.80}{_maker_hint(optimizer)}"
         )
     return optimizer
 
@@ -54,6 +54,15 @@ def check_not_number(leaf: Any, name: str, where: str, what: str = "params") -> 
             "jnp.float32); to hold it fixed, mark it static (eqx.field(static=True) in an Equinox "
             "module) or close over it in the function instead of keeping it in the model"
         )
+
+
+def _maker_hint(optimizer: Any) -> str:
+    """For an optimizer's name or its maker (``"adam"``, ``optax.adam``): how to make the optimizer."""
+    name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", None)
+    if not isinstance(name, str) or not callable(getattr(optax, name, None)):
+        return ""
+    what = f"{name!r} names" if isinstance(optimizer, str) else f"optax.{name} is the function that makes"
+    return f"; {what} an optimizer: make one with its learning rate, e.g. optax.{name}(1e-3)"
 
 
 def check_params(params: Any, where: str, what: str = "params") -> Model:
@@ -136,13 +145,38 @@ def check_loss_on(
     try:
         out = jax.eval_shape(loss_fn, params, batch, *extra)
     except Exception as e:
+        model = getattr(loss_fn, "model", None)  # a bound loss (``Model.bind``): what it gives loss_fn
+        given = model.join(params) if isinstance(model, Model) else params
+        nones = none_hint(e, {"params": given, "batch": batch})
         if key is None:
-            raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}") from e
+            raise type(e)(f"{where}: loss_fn(params, batch) {on}: {e}{nones}") from e
         raise type(e)(
-            f"{where}: loss_fn(params, batch, key) {on}: {e}. The key is passed because key= was given; "
-            "make loss_fn take (params, batch, key), or leave key= out"
+            f"{where}: loss_fn(params, batch, key) {on}: {e}{nones}. The key is passed because key= was "
+            "given; make loss_fn take (params, batch, key), or leave key= out"
         ) from e
     check_scalar_loss(out, has_aux, where)
+
+
+def none_hint(error: BaseException, trees: dict[str, Any]) -> str:
+    """For a function that failed on a None (``error`` names ``NoneType``): the paths of the
+    None leaves of the named trees it was given, and how to fix them; else ``""``. JAX holds a
+    None as an empty subtree, not an array, so it reaches the function as None."""
+    if not isinstance(error, TypeError | AttributeError) or "NoneType" not in str(error):
+        return ""
+    paths = [
+        f"{what}{jax.tree_util.keystr(path)}"
+        for what, tree in trees.items()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+        if leaf is None
+    ]
+    if not paths:
+        return ""
+    listed = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    return (
+        f"; {listed} {'is' if len(paths) == 1 else 'are'} None: JAX holds None as an empty subtree, not "
+        "an array, so the function gets None there; give it an array (e.g. jnp.zeros(shape)), or take "
+        "it out of the tree and out of the function"
+    )
 
 
 def device_context(name: Any, where: str, example: str = "dev0") -> _contexts.Context:

@@ -46,6 +46,25 @@ def check_batch(batch: Any, where: str, what: str) -> tuple[list, Any, int]:
     return leaves, treedef, n
 
 
+def check_rows(batch: Any, where: str, what: str) -> tuple[list, Any, int]:
+    """``check_batch`` of a batch given whole (data, ``mg.fits``'s batch), and its arrays hold
+    numbers; a string is refused first (mgkit reads no files)."""
+    _no_text(batch, where, what)
+    out = check_batch(batch, where, what)
+    _numeric(batch, _signature(batch), where, what)
+    return out
+
+
+def _no_text(data: Any, where: str, what: str, others: str = "") -> None:
+    """A string or bytes given for arrays: an error saying mgkit reads no files or text."""
+    if isinstance(data, str | bytes):
+        raise TypeError(
+            f"{where}: {what} is a {type(data).__name__} ({data!r:.80}); mgkit reads no files or text. "
+            "Give arrays with rows along axis 0 (e.g. (X, y), read with np.load or pandas' .to_numpy())"
+            f"{others}"
+        )
+
+
 class Signature(NamedTuple):
     """What every batch of a fit shares with its first: all but the row count."""
 
@@ -129,8 +148,7 @@ class ArraySource:
     position (epoch, first row) is saved with checkpoints and restored on resume."""
 
     def __init__(self, data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: str):
-        leaves, self.treedef, n = check_batch(data, where, "data")
-        _numeric(data, _signature(data), where, "data")
+        leaves, self.treedef, n = check_rows(data, where, "data")
         self.leaves = [leaf if isinstance(leaf, jax.Array) else np.asarray(leaf) for leaf in leaves]
         self.rows = n
         if batch_size is None:
@@ -243,12 +261,7 @@ def source(data: Any, batch_size: Any, shuffle: bool, seed: int, k: int, where: 
         raise TypeError(
             f"{where}: data is None; give arrays (e.g. {{'x': X, 'y': y}}), a function or an iterable"
         )
-    if isinstance(data, str | bytes):
-        raise TypeError(
-            f"{where}: data is a {type(data).__name__} ({data!r:.80}); mgkit reads no files or text. Give "
-            "arrays with rows along axis 0 (e.g. (X, y), read with np.load or pandas' .to_numpy()), "
-            "a function step -> batch, or an iterable of batches"
-        )
+    _no_text(data, where, "data", ", a function step -> batch, or an iterable of batches")
     if _columns(data):
         data = tuple(data)  # [X, y]: the columns of one data set, not two batches
     if callable(data) and not isinstance(data, np.ndarray | jax.Array):

@@ -37,7 +37,9 @@ def initial(params: Any, where: str) -> Initial:
     is floating point; other leaves (an Equinox module's functions) are held as given."""
     if not is_maker(params):
         model = check_params(params, where)
-        shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), model.arrays)
+        shapes = jax.tree_util.tree_map(  # in the dtype JAX places them as (float64 as float32 without x64)
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype)), model.arrays
+        )
         return Initial(model, shapes, None)
     name = getattr(params, "__name__", type(params).__name__)
     try:

@@ -13,6 +13,8 @@ from .._numbers import nbytes
 from .._oom import live_facts, state_facts
 from .._spmd import Targets, resolve
 from .._table import Table, human_bytes
+from ._checks import check_optimizer
+from ._data import check_rows
 from ._initial import param_shapes
 from ._shard import Plan, layouts, param_like, plan, shapes_of
 
@@ -131,14 +133,30 @@ def _nbytes(x: Any) -> int:
 
 
 def _batch_bytes(batch: Any, parts: int) -> int:
-    """The bytes of ``batch`` on each context: its even part's share and the last rows (placed on each)."""
+    """The bytes of ``batch`` on each context as it will be placed: its even part's share and the
+    last rows (placed on each), in the dtype JAX places it as (float64 as float32 without x64)."""
     if batch is None:
         return 0
     total = 0
     for x in jax.tree_util.tree_leaves(batch):
         n = np.shape(x)[0]
-        total += _nbytes(x) // max(n, 1) * (n // parts + n % parts)
+        row = (
+            int(np.prod(np.shape(x)[1:], dtype=np.int64))
+            * np.dtype(jax.dtypes.canonicalize_dtype(x.dtype)).itemsize
+        )
+        total += row * (n // parts + n % parts)
     return total
+
+
+def _as_arrays(batch: Any) -> Any:
+    """``batch`` with each shape (``jax.ShapeDtypeStruct``) standing as an array of that shape
+    and dtype that takes no memory, so it is checked as arrays are."""
+    return jax.tree_util.tree_map(
+        lambda x: (
+            np.broadcast_to(np.zeros((), x.dtype), x.shape) if isinstance(x, jax.ShapeDtypeStruct) else x
+        ),
+        batch,
+    )
 
 
 def _title(plan_: Plan, rows: list[MemoryRow]) -> str:
@@ -183,6 +201,9 @@ def fits(
     """
     where = "fits"
     shapes = param_shapes(params, where)
+    check_optimizer(optimizer, where)
+    if batch is not None:
+        check_rows(_as_arrays(batch), where, "batch")
     cap = None if limit is None else nbytes(limit, "limit", where, example="80GiB")
     targets = None
     if (

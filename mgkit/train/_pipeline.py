@@ -28,6 +28,7 @@ each stage's gradient sum moves to the last stage, which decides, and the decisi
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -65,6 +66,10 @@ from ._stage import (
 )
 
 _WHERE = "Pipeline"
+
+
+class FewerMicrobatches(UserWarning):
+    """A fit's batch had fewer rows than ``microbatches``: it ran as one microbatch per row."""
 
 
 class _Placed(NamedTuple):
@@ -434,6 +439,7 @@ class Pipeline(Checkpointing):
         on_nan = self.on_nan if on_nan is None else check_on_nan(on_nan, where)
         seed = self.seed if seed is None else whole(seed, "seed", where, lo=0, example=0)
         src = _data.source(data, batch_size, shuffle, seed, 1, where)
+        self._check_batch_size(src, where)
         if steps is not None:
             total = whole(steps, "steps", where, lo=1, example=500, note="steps to run")
         elif isinstance(src, _data.ArraySource):
@@ -470,15 +476,39 @@ class Pipeline(Checkpointing):
             self._fit_ended(feed)
         return fit.end(f"step {self._step} (params and opt_state are that step's)")
 
+    def _check_batch_size(self, src: Any, where: str) -> None:
+        """Arrays batched by fewer rows than microbatches: an error (each batch would run as
+        fewer microbatches than asked)."""
+        if isinstance(src, _data.ArraySource) and src.batch_size < self.microbatches:
+            size = "batch_size" if src.batch_size < src.rows else "the data's rows (batch_size)"
+            raise ValueError(
+                f"{where}: {size} is {src.batch_size}, fewer than microbatches={self.microbatches}: each "
+                f"batch would run as {src.batch_size} microbatches of one row, not "
+                f"{self.microbatches}; use batch_size >= {self.microbatches} (a multiple of it cuts even "
+                f"parts), or mg.Pipeline(..., microbatches={src.batch_size}) or fewer"
+            )
+
     def _steps(self, feed: Feed, fit: Fit, optimizer: Any, on_nan: str) -> None:
         """Dispatches steps until the fit's total (or the data ends, or Ctrl-C), each loss read
-        at once or one step late (``reads_late``)."""
+        at once or one step late (``reads_late``). The first batch with fewer rows than
+        microbatches warns (``FewerMicrobatches``): it runs as one microbatch per row."""
+        warned = []
 
         def take() -> tuple:
             return feed.take(fit.stop)
 
         def dispatch(item: tuple) -> _Dispatched:
             batch, position = item
+            if len(batch.xs) < self.microbatches and not warned:
+                warned.append(self._step + 1)
+                warnings.warn(
+                    f"{fit.where}: step {self._step + 1}'s batch has {batch.rows} row(s), fewer than "
+                    f"microbatches={self.microbatches}: it runs as {batch.rows} microbatches of one row "
+                    "(as a loader's short last batch does); if every batch is this short, use "
+                    f"mg.Pipeline(..., microbatches={batch.rows}) or larger batches (said once a fit)",
+                    FewerMicrobatches,
+                    stacklevel=2,
+                )
             out = self._dispatch(batch, optimizer)
             feed.after = position
             self._save_due(position)

@@ -16,7 +16,7 @@ import optax
 from .. import _contexts
 from .._static import Model
 from .._transfer import place
-from ._checks import check_params, check_scalar_loss, device_context
+from ._checks import check_params, check_scalar_loss, device_context, none_hint
 
 
 def fn_name(fn: Callable) -> str:
@@ -141,6 +141,9 @@ def check_shapes(stages: list, params: list, loss: Any, xa: Any, ya: Any, size: 
         try:
             out = jax.eval_shape(stage.fn, shapes, a)
         except Exception as e:
+            nones = none_hint(e, {f"{stage.name}'s params": params[s]})
+            if nones:
+                raise type(e)(f"{where}: {stage.name} failed: {_first_line(e)}{nones}") from e
             if s == 0:
                 raise ValueError(
                     f"{where}: {stage.name} cannot take the batch's inputs {_avals(a)} (one "
