@@ -47,7 +47,8 @@ from bench_train import compare
 import mgkit as mg
 from mgkit._spmd import AXIS, sharding
 from mgkit.train._accumulate import peak_bytes
-from mgkit.train._shard import Placement, plan
+from mgkit.train._plan import plan
+from mgkit.train._shard import Placement
 from mgkit.train._step import spmd_step
 
 K = 8  # microbatches in (a) and (b)

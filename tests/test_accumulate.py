@@ -14,7 +14,8 @@ import pytest
 import mgkit as mg
 from mgkit._spmd import AXIS, sharding
 from mgkit.train._accumulate import peak_bytes
-from mgkit.train._shard import Placement, plan
+from mgkit.train._plan import plan
+from mgkit.train._shard import Placement
 from mgkit.train._step import place_spmd_batch, spmd_step
 
 RNG = np.random.default_rng(0)

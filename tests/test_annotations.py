@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import mgkit as mg
 from mgkit.train._annotations import annotations
-from mgkit.train._shard import plan
+from mgkit.train._plan import plan
 
 nnx = pytest.importorskip("flax.nnx")
 

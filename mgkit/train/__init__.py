@@ -6,9 +6,9 @@ context in the map: one SPMD program per step over distinct devices of one kind,
 gather-update-copy loop (per-context gradients gathered on the first context, the update
 there, the parameters copied back) where contexts share a device or mix kinds. ``fit``
 returns a ``History``. With ``shard="fsdp"`` (or rules, or ``mesh=`` for tensor parallelism)
-parameters and optimizer state are split over the contexts (``_shard``), or as a Flax model's own
-annotations say (``_annotations``); ``mg.fits`` plans the
-bytes per context from shapes before anything is allocated (``_memory``).
+parameters and optimizer state are split over the contexts, planned from shapes (``_plan``) and
+laid on the devices (``_shard``), or as a Flax model's own annotations say (``_annotations``);
+``mg.fits`` plans the bytes per context from shapes before anything is allocated (``_memory``).
 
 ``mg.Ensemble({ctx: mg.Member(...)})`` trains different models side by side, one per context
 (or several on one); ``mg.Pipeline([(ctx, fn, params), ...], loss)`` splits one model

@@ -16,7 +16,8 @@ from .._table import Table, human_bytes
 from ._checks import check_optimizer
 from ._data import check_rows
 from ._initial import param_shapes
-from ._shard import Plan, layouts, param_like, plan, shapes_of
+from ._plan import Plan, layouts, plan, shapes_of
+from ._shard import param_like
 
 
 class MemoryRow(NamedTuple):

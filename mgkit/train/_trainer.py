@@ -24,8 +24,9 @@ from ._history import History
 from ._initial import initial, made
 from ._loop import Fit, check_on_nan, not_finite, reads_late
 from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
+from ._plan import plan
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
-from ._shard import Placement, plan, shape_of
+from ._shard import Placement, shape_of
 from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, spmd_step
 
 _WHERE = "Trainer"
