@@ -298,3 +298,24 @@ def _no_batch_size(batch_size: Any, where: str, what: str) -> None:
             f"{where}: batch_size={batch_size!r} applies to arrays that mgkit batches; data is {what}, "
             "whose batches already have their size: leave batch_size out"
         )
+
+
+def total_steps(src: Any, steps: Any, epochs: Any, where: str) -> int | None:
+    """The steps a fit runs: ``steps``, ``epochs`` passes over arrays, or one epoch of arrays;
+    None for an iterable (it runs until it ends). A function needs ``steps``."""
+    if steps is not None and epochs is not None:
+        raise TypeError(f"{where}: give steps= or epochs=, not both")
+    if steps is not None:
+        return whole(steps, "steps", where, lo=1, example=1000, note="steps to run")
+    if epochs is not None:
+        epochs = whole(epochs, "epochs", where, lo=1, example=5, note="passes over the data")
+        if not isinstance(src, ArraySource):
+            raise TypeError(f"{where}: epochs= needs arrays that mgkit batches; for other data give steps=")
+        return epochs * src.steps_per_epoch
+    if isinstance(src, ArraySource):
+        return src.steps_per_epoch
+    if isinstance(src, FunctionSource):
+        raise TypeError(
+            f"{where}: data is a function step -> batch; say how many steps to run, e.g. steps=1000"
+        )
+    return None

@@ -291,3 +291,35 @@ def place_parts(leaves: list, treedef: Any, targets: Targets, sizes: tuple[int, 
             cut = place(cut, ctx, "split", {"rows": size, "of": sum(sizes)})
         parts.append(jax.tree_util.tree_unflatten(treedef, cut))
     return parts
+
+
+def replicas_of(targets: Targets, params: Any) -> list:
+    """The gather-update-copy loop's copies of ``params``, one per context: the first context's
+    tree as it is, and a copy on each other device (a context sharing the first's device shares
+    its tree)."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    first = targets.contexts[0]
+    out = [params]
+    for ctx in targets.contexts[1:]:
+        if ctx.device == first.device:
+            out.append(params)
+        else:
+            copies = [jax.device_put(x, ctx.device) for x in leaves]
+            out.append(jax.tree_util.tree_unflatten(treedef, copies))
+    return out
+
+
+def speeds(program: LoopStep, replicas: list, placed: tuple) -> tuple[float, ...]:
+    """Rows per second of each context's gradient on its part of ``placed`` (after a warm-up),
+    for ``balance="measured"``."""
+    parts, sizes = placed
+    out = []
+    for i, part in enumerate(parts):
+        if not sizes[i]:
+            out.append(1.0)
+            continue
+        jax.block_until_ready(program.grad(replicas[i], part))
+        t0 = time.perf_counter()
+        jax.block_until_ready(program.grad(replicas[i], part))
+        out.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
+    return tuple(out)

@@ -27,7 +27,7 @@ from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
 from ._plan import plan
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
 from ._shard import Placement, shape_of
-from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, spmd_step
+from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, replicas_of, speeds, spmd_step
 
 _WHERE = "Trainer"
 
@@ -158,7 +158,7 @@ class Trainer(Checkpointing):
             self._replicas = []
         else:
             self._params = made(start, jax.sharding.SingleDeviceSharding(devices[0]))
-            self._replicas = self._copies(self._params)
+            self._replicas = replicas_of(self.targets, self._params)
         self._opt = self._init_opt(self._params)
         self._program = self._built(1, "fp32")
         # the collectives of the SPMD step, read once per program and recorded on each run
@@ -276,7 +276,7 @@ class Trainer(Checkpointing):
             else:
                 sizes = shares(n, k, self._weights)
                 parts = place_parts(leaves, treedef, self.targets, sizes)
-                out = program(self._copies(arrays), opt_state, parts, sizes, key)[1]
+                out = program(replicas_of(self.targets, arrays), opt_state, parts, sizes, key)[1]
             return out._replace(params=self._model.join(out.params))
 
         return step_fn
@@ -310,18 +310,6 @@ class Trainer(Checkpointing):
                 program = LoopStep(*args, self.targets, accumulate=accumulate, precision=precision)
             self._programs[(accumulate, precision)] = program
         return program
-
-    def _copies(self, params: Any) -> list:
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        first = self.targets.contexts[0]
-        out = [params]
-        for ctx in self.targets.contexts[1:]:
-            if ctx.device == first.device:
-                out.append(params)
-            else:
-                copies = [jax.device_put(x, ctx.device) for x in leaves]
-                out.append(jax.tree_util.tree_unflatten(treedef, copies))
-        return out
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -456,7 +444,7 @@ class Trainer(Checkpointing):
             )
         self._set_recipe(accumulate, precision, where)
         src = _data.source(data, batch_size, shuffle, self.seed, k, where)
-        total = self._total(src, steps, epochs, where)
+        total = _data.total_steps(src, steps, epochs, where)
         self._begin(resume, where)
         self._check_alive(where)  # a lost state not restored by resume=True
         self._lost = None
@@ -522,7 +510,7 @@ class Trainer(Checkpointing):
             nonlocal first
             (placed, rows), position = item
             if self.balance == "measured" and not self.spmd and self._weights is None:
-                self._weights = self._measure(placed)
+                self._weights = speeds(self._program, self._replicas, placed)
             if first:
                 self._check_loss(placed)
                 self._compile(placed)
@@ -569,7 +557,7 @@ class Trainer(Checkpointing):
         if back.get("loss_scale") is not None:
             self._scale = scale_from(back["loss_scale"])
         if not self.spmd:
-            self._replicas = self._copies(self._params)
+            self._replicas = replicas_of(self.targets, self._params)
 
     def _init_opt(self, params: Any) -> Any:
         """The optimizer's initial state for the trainer's (stored) ``params``, laid out as theirs."""
@@ -605,42 +593,8 @@ class Trainer(Checkpointing):
         if opt_state is None:
             self._opt = self._init_opt(self._params)
 
-    def _total(self, src: Any, steps: Any, epochs: Any, where: str) -> int | None:
-        if steps is not None and epochs is not None:
-            raise TypeError(f"{where}: give steps= or epochs=, not both")
-        if steps is not None:
-            return whole(steps, "steps", where, lo=1, example=1000, note="steps to run")
-        if epochs is not None:
-            epochs = whole(epochs, "epochs", where, lo=1, example=5, note="passes over the data")
-            if not isinstance(src, _data.ArraySource):
-                raise TypeError(
-                    f"{where}: epochs= needs arrays that mgkit batches; for other data give steps="
-                )
-            return epochs * src.steps_per_epoch
-        if isinstance(src, _data.ArraySource):
-            return src.steps_per_epoch
-        if isinstance(src, _data.FunctionSource):
-            raise TypeError(
-                f"{where}: data is a function step -> batch; say how many steps to run, e.g. steps=1000"
-            )
-        return None
-
     def _compile(self, placed: tuple) -> None:
         """Compiles the step for these arguments while Ctrl-C still works (``_progress.compile``)."""
         self._batch_bytes = batch_bytes(placed)
         if self.spmd:
             _progress.compile(self._program, (self._params, self._opt, *self._args(placed, 0)))
-
-    def _measure(self, placed: tuple) -> tuple[float, ...]:
-        """Rows per second of each context's gradient on an equal part (after a warm-up)."""
-        parts, sizes = placed
-        speeds = []
-        for i, part in enumerate(parts):
-            if not sizes[i]:
-                speeds.append(1.0)
-                continue
-            jax.block_until_ready(self._program.grad(self._replicas[i], part))
-            t0 = time.perf_counter()
-            jax.block_until_ready(self._program.grad(self._replicas[i], part))
-            speeds.append(sizes[i] / max(time.perf_counter() - t0, 1e-9))
-        return tuple(speeds)
