@@ -23,13 +23,11 @@ from ._live import (
     DRAW_SHARE,
     PICTURE_RATE,
     REFRESHER,
-    Budget,
     Feed,
     check_count,
     check_ledger,
     check_rate,
     in_kernel,
-    next_due,
 )
 from ._png import figure, require_matplotlib, write_png
 
@@ -59,7 +57,6 @@ class LiveView(abc.ABC):
     kinds: ClassVar[frozenset[str] | None] = None  # event kinds the view follows; None: no feed
     exclude: ClassVar[bool] = False  # True: every kind except ``kinds``
     polls: ClassVar[bool] = False  # True: refresh on every tick, events or not
-    samples: ClassVar[bool] = False  # True: when due while the budget is spent, ``_when_spent()``
     css_class: ClassVar[str] = ""
     headers: ClassVar[tuple[str, ...]] = ()  # the columns of the view's table
     figsize: ClassVar[tuple[float, float]] = (7.0, 4.5)  # inches, for save_png
@@ -85,9 +82,7 @@ class LiveView(abc.ABC):
         self.contexts = check_contexts(contexts, self._where)
         self._lock = threading.RLock()
         self._feed: Feed | None = None
-        self._next = 0.0  # when the live thread refreshes it next, at the earliest (time.monotonic)
-        self.spent = 0.0  # CPU seconds its refreshes by the live thread took, in all
-        self.fold_limit: int | None = None  # entries a live refresh folds at most (the newest)
+        self._next = 0.0
         self._box: Any = None
         self._html: Any = None  # the HTML widget, where the view has one
         self.updates = 0
@@ -118,15 +113,6 @@ class LiveView(abc.ABC):
 
     def _stale(self) -> bool:
         """True when something is waiting to be drawn even without new events."""
-        return False
-
-    def _defer(self, now: float, budget: Budget) -> bool:
-        """True when a due refresh had better wait for a later tick although there is credit."""
-        return False
-
-    def _when_spent(self) -> bool:
-        """What a view with ``samples`` does when due while the live thread's budget is spent
-        (the memory view: its sample, nothing drawn); True when anything changed."""
         return False
 
     @abc.abstractmethod
@@ -181,12 +167,6 @@ class LiveView(abc.ABC):
         one call's events)."""
         return len(self._feed) if self._feed is not None else 0
 
-    @property
-    def skipped(self) -> int:
-        """Ledger entries the live refreshes left out, in all: under a heavy stream a refresh
-        folds the newest ``fold_limit`` only (totals still count every one)."""
-        return self._feed.skipped if self._feed is not None else 0
-
     def refresh(self) -> bool:
         """Applies what happened since the last refresh: folds new events in, sets widget values
         and redraws plots. The live thread calls this at most ``rate`` times a second; call it
@@ -197,32 +177,19 @@ class LiveView(abc.ABC):
         with self._lock:
             if self.closed:
                 return False
-            limit = self.fold_limit if budgeted else None
-            events = self._feed.drain(limit) if self._feed is not None else []
+            events = self._feed.drain() if self._feed is not None else []
             changed = bool(self._update(events, budgeted))
             self.updates += changed
             return changed
 
-    def _tick(self, now: float, budget: Budget) -> bool:
-        """The live thread's call: refreshes when due (rate), when there is something to show
-        and while ``budget`` has credit (else, or when ``_defer``, a view that ``samples`` only
-        samples), and charges the refresh's CPU time to ``budget``. A due view left out stays
-        due for the next tick."""
+    def _tick(self, now: float) -> bool:
+        """The live thread's call: refreshes when due (rate) and when there is something to show."""
         if self.closed or now < self._next:
             return False
         if not (self.polls or self.pending or self._stale()):
             return False
-        full = budget.allows() and not self._defer(now, budget)
-        if not (full or self.samples):
-            return False
-        self._next = next_due(self._next, now, self.rate)
-        t0 = time.thread_time()
-        try:
-            return self._refresh(budgeted=True) if full else self._when_spent()
-        finally:
-            cost = time.thread_time() - t0
-            budget.charge(cost)
-            self.spent += cost
+        self._next = now + 1.0 / self.rate
+        return self._refresh(budgeted=True)
 
     def close(self) -> None:
         """Stops following the ledger and refreshing; a displayed widget keeps its last values."""
@@ -322,15 +289,9 @@ class Plotted(LiveView):
         self._drawn = -1
         self._draw_next = 0.0
         self.redraws = 0
-        self.drawing = 0.0  # CPU seconds the redraws took, in all
 
     def _stale(self) -> bool:
         return self._plot is not None and self._drawn != self._version
-
-    def _defer(self, now: float, budget: Budget) -> bool:
-        """While the budget is short, a refresh waits until its picture may be redrawn too (the
-        table then follows the picture, and the budget goes to pictures)."""
-        return self._plot is not None and budget.short() and now < self._draw_next
 
     @abc.abstractmethod
     def svg(self) -> str:
@@ -351,5 +312,4 @@ class Plotted(LiveView):
         self._draw_next = now + max(1.0 / min(self.rate, PICTURE_RATE), cost / DRAW_SHARE)
         self._drawn = version
         self.redraws += 1
-        self.drawing += cost
         return True

@@ -10,23 +10,14 @@ just sets values, which ipywidgets sends to the browser even while a cell runs.
 
 Pictures redraw at most PICTURE_RATE times a second, and within a time budget: a redraw that
 took ``c`` seconds is followed by none for ``c / DRAW_SHARE`` seconds, so each picture takes at
-most ~0.3 % of the wall time. Text values follow at the view's full rate.
-
-The thread as a whole keeps to a budget, ``THREAD_SHARE`` (1 %) of a core, held as credit
-(``Budget``): earned with the wall time, up to ``BURST`` seconds of CPU saved, and spent by each
-view's refresh. The thread looks at its views every ``TICK`` seconds (while the credit is spent,
-every ``1 / MAX_RATE`` s at most); a view that is due refreshes only while there is credit (the
-memory view still takes its samples, which are cheap, and charges them; while it is short, a
-view with a picture waits until the picture may be redrawn too), and a dashboard serves first
-the panel due longest. A refresh folds
-at most ``FOLD_CHUNK`` of the newest entries of a heavy stream (the older ones are skipped and
-counted; totals come from the ledger's own), so no one refresh is costly and no view's work stops
-the others' for long: however many events arrive and however many views there are, the views
-take at most ~1 % of a core (and of the GIL) from the work they watch, and under a heavy stream
-of events they fold fewer of them, never the work more slowly. Costs are the thread's own CPU
-time (``time.thread_time``), not wall time: on a busy machine a round that waited for a core or
-for the GIL is not charged for the wait; and where the process gets less than a core (a machine
-busy with other work), the budget is that share of what it gets.
+most ~0.3 % of the wall time. Text values follow at the view's full rate. The thread as a whole
+keeps to a budget too: after a round of refreshes that used ``c`` seconds of its CPU time it
+sleeps at least ``c / THREAD_SHARE`` seconds, so however many events arrive and however many
+views there are, it takes at most ~1 % of a core (and of the GIL) from the work it watches;
+under a heavy stream of events the views refresh less often, never the work more slowly. Costs
+are the thread's own CPU time (``time.thread_time``), not wall time: on a busy machine a round
+that waited for a core or for the GIL is not charged for the wait; and where the process gets
+less than a core (a machine busy with other work), the budget is that share of what it gets.
 """
 
 from __future__ import annotations
@@ -34,7 +25,6 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-import math
 import sys
 import threading
 import time
@@ -42,7 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._ledger import Call, Event, Layout, Ledger, events_of, ledger
+from .._ledger import Event, Ledger, events_of, ledger
 from .._numbers import real, whole
 
 log = logging.getLogger("mgkit")
@@ -54,8 +44,6 @@ PICTURE_RATE = 4.0  # picture redraws per second, at most
 TICK = 0.05  # seconds between the refresh thread's looks at its views
 THREAD_SHARE = 0.01  # share of a core (or of the process's CPU) the refresh thread may take
 MIN_CORES = 0.1  # below this share of a core the process gets, the budget stops shrinking
-BURST = 0.02  # CPU seconds of the thread's budget saved up while its views have nothing to do
-FOLD_CHUNK = 8  # entries of a heavy stream a budgeted refresh folds at most, the newest
 
 
 def check_count(value: Any, name: str, where: str, lo: int, hi: int, example: int) -> int:
@@ -92,42 +80,24 @@ class Feed:
 
     The ledger appends each entry as it is recorded (``Ledger.attach``): one ``deque.append``
     per call, never blocking; the events are made and filtered by kind when the view drains
-    them (a call whose layout holds none of the feed's kinds is left out before its events are
-    made). When more than ``size`` entries arrive between two drains the oldest are dropped.
+    them. When more than ``size`` entries arrive between two drains the oldest are dropped.
     """
 
     def __init__(self, led: Ledger, kinds: frozenset[str], exclude: bool, size: int = BUFFER):
         self.buffer: collections.deque = collections.deque(maxlen=size)
         self.kinds, self.exclude = kinds, exclude
-        self.skipped = 0  # entries of the feed's kinds left out by ``drain(limit)``, in all
-        self._wanted: dict[Layout, bool] = {}  # per layout: holds any of the feed's kinds
         self._detach = led.attach(self.buffer)
 
     def __len__(self) -> int:
         return len(self.buffer)
 
-    def _wants(self, layout: Layout) -> bool:
-        wanted = self._wanted.get(layout)
-        if wanted is None:
-            if len(self._wanted) >= 256:  # layouts are few and kept by their callers; this stays small
-                self._wanted.clear()
-            kinds = {key[0] for key, *_ in layout.totals}
-            wanted = self._wanted[layout] = bool(kinds - self.kinds if self.exclude else kinds & self.kinds)
-        return wanted
-
-    def drain(self, limit: int | None = None) -> list[Event]:
+    def drain(self) -> list[Event]:
         """Takes every buffered event of the feed's kinds, oldest first (entries appended
-        meanwhile stay for next time); with ``limit``, those of the newest ``limit`` entries
-        only, the older ones skipped (counted in ``skipped``)."""
+        meanwhile stay for next time)."""
         pop = self.buffer.popleft
-        entries = [pop() for _ in range(len(self.buffer))]
-        wants = self._wants
-        entries = [e for e in entries if type(e) is not Call or wants(e.layout)]
-        if limit is not None and len(entries) > limit:
-            self.skipped += len(entries) - limit
-            entries = entries[-limit:]
+        events = events_of([pop() for _ in range(len(self.buffer))])
         kinds, exclude = self.kinds, self.exclude
-        return [e for e in events_of(entries) if (e.kind in kinds) != exclude]
+        return [e for e in events if (e.kind in kinds) != exclude]
 
     def skip(self) -> int:
         """Drops the buffered entries without making their events (a view that only needs to
@@ -224,45 +194,12 @@ class CompileClock:
 COMPILES = CompileClock()
 
 
-class Budget:
-    """The views' thread's CPU budget, as credit: earned at ``share`` of a core (of the cores
-    the process gets, when less) for each second of wall time, at most ``burst`` seconds saved;
-    spent by the views' refreshes. ``Budget.unlimited()``: a refresh by hand, never held back."""
-
-    def __init__(self, share: float = THREAD_SHARE, burst: float = BURST):
-        self.share, self.burst = share, burst
-        self.credit = burst  # CPU seconds the views may still spend now
-        self.spent = 0.0  # CPU seconds charged, in all
-
-    @classmethod
-    def unlimited(cls) -> Budget:
-        return cls(share=math.inf, burst=math.inf)
-
-    def earn(self, wall: float, cores: float) -> None:
-        """Adds the credit of ``wall`` seconds when the process gets ``cores`` of a core."""
-        self.credit = min(self.credit + wall * self.share * cores, self.burst)
-
-    def allows(self) -> bool:
-        """True while there is credit left."""
-        return self.credit > 0.0
-
-    def short(self) -> bool:
-        """True while less than half of what may be saved up is left (the views are busy)."""
-        return self.credit < self.burst / 2
-
-    def charge(self, cost: float) -> None:
-        """Takes ``cost`` CPU seconds off the credit (it may go below zero: the views then wait)."""
-        self.credit -= cost
-        self.spent += cost
-
-
 class Refresher:
-    """One daemon thread that ticks every live view within one budget; views are held weakly."""
+    """One daemon thread that ticks every live view; views are held weakly."""
 
     def __init__(self, period: float = TICK, share: float = THREAD_SHARE):
         self.period = period
         self.share = share
-        self.budget = Budget(share)
         self.busy = 0.0  # seconds spent refreshing, in all
         self._views: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -288,17 +225,16 @@ class Refresher:
         with self._lock:
             return self._thread is not None
 
-    def tick(self, now: float | None = None, budget: Budget | None = None) -> int:
-        """Refreshes every view that is due (within ``budget``; default: none held back);
-        returns how many changed. A view that raises is logged (once) and the others go on."""
+    def tick(self, now: float | None = None) -> int:
+        """Refreshes every view that is due; returns how many changed. A view that raises is
+        logged (once) and the others go on."""
         now = time.monotonic() if now is None else now
-        budget = Budget.unlimited() if budget is None else budget
         with self._lock:
             views = list(self._views)
         changed = 0
         for view in views:
             try:
-                changed += bool(view._tick(now, budget))
+                changed += bool(view._tick(now))
             except Exception:
                 view.errors += 1
                 if view.errors == 1:
@@ -309,49 +245,30 @@ class Refresher:
         return changed
 
     def _run(self) -> None:
-        budget, cores = self.budget, 1.0
         wall, cpu = time.perf_counter(), time.process_time()
         while True:
             with self._lock:
                 if not self._views:
                     self._thread = None
                     return
-            t0, spent = time.thread_time(), budget.spent
+            t0 = time.thread_time()
             try:
-                self.tick(budget=budget)
+                self.tick()
             except Exception:  # noqa: BLE001  # pragma: no cover - interpreter shutdown
                 return
             cost = time.thread_time() - t0
             self.busy += cost
-            budget.charge(max(cost - (budget.spent - spent), 0.0))  # the round's own work
-            time.sleep(self.pause(budget.credit, cores))
-            now_wall, now_cpu = time.perf_counter(), time.process_time()
-            cores = self.cores(now_wall - wall, now_cpu - cpu)
-            budget.earn(now_wall - wall, cores)
-            wall, cpu = now_wall, now_cpu
+            time.sleep(self.pause(cost, time.perf_counter() - wall, time.process_time() - cpu))
+            wall, cpu = time.perf_counter(), time.process_time()
 
-    def pause(self, credit: float, cores: float) -> float:
-        """Seconds to sleep after a round: the period while there is ``credit``; else until the
-        budget has earned it back, but at most 1 / MAX_RATE (the memory samples keep their rate)."""
-        if credit > 0.0:
-            return self.period
-        return min(max(self.period, -credit / (self.share * cores)), 1.0 / MAX_RATE)
-
-    @staticmethod
-    def cores(wall: float, cpu: float) -> float:
-        """The share of a core the budget is taken of, when the process used ``cpu`` seconds of
-        CPU time over the last ``wall`` seconds: one core, or the cores the process got when that
-        was less than one (a machine busy with other work gives it less: the views then take a
-        share of what the work gets, not of a core it never had), at least MIN_CORES."""
-        return min(max(cpu / wall if wall > 0 else 1.0, MIN_CORES), 1.0)
-
-
-def next_due(due: float, now: float, rate: float) -> float:
-    """When a view refreshed at ``now`` (due at ``due``) is next due at ``rate`` a second: a
-    period after it was due, so late ticks do not slow the rate, or a period from now when it
-    fell a period behind."""
-    period = 1.0 / rate
-    return due + period if due + period > now else now + period
+    def pause(self, cost: float, wall: float, cpu: float) -> float:
+        """Seconds to sleep after a round that used ``cost`` seconds of the thread's CPU time,
+        when the process used ``cpu`` seconds of CPU time over the last ``wall`` seconds: the
+        round's cost over the budget, a share of one core, or of the cores the process got when
+        that was less than one (a machine busy with other work gives it less: the views then
+        take a share of what the work gets, not of a core it never had)."""
+        cores = min(max(cpu / wall if wall > 0 else 1.0, MIN_CORES), 1.0)
+        return max(self.period, cost / (self.share * cores))
 
 
 REFRESHER = Refresher()
