@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_dashboard.py [--simulate 8] [--pairs 6] [--block 2]
-                                         [--load-seconds 30] [--load-rate 1000]
+                                         [--load-seconds 30] [--load-rate 1000] [--fit-seconds 5]
 
 Part 1 (speed). A compute loop that records events the way user code does: each iteration
 moves a 256 KiB array to the next context (``mg.transfer``), runs a data-parallel call over
@@ -25,12 +25,21 @@ buffer of events waiting for a refresh, errors logged, the refresh thread's CPU 
 memory after each third of the run: Python's allocated blocks and the process's resident set
 (tracemalloc is left off: it would slow the views it measures).
 
+Part 3 (fast fit). An ``mg.Trainer`` on every context takes small steps as fast as it can
+(a few hundred a second: a split, step events and collectives recorded per step) for
+``--fit-seconds`` with a live dashboard watching it. It prints the ledger entries per second,
+the memory panel's samples against its rate (goal >= 80 %) and the seconds of history it
+holds, the pictures' redraws per second against their rates (with the rate the throughput
+picture's own draw budget allows), the entries the panels left out, each panel's CPU time, and
+the views' thread's CPU time as a share of a core (its budget: 2 %).
+
 Timings are reported, never asserted; exit status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import logging
 import os
@@ -63,7 +72,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--load-rate", type=int, default=1000, help="events per second in the load run (default 1000)"
     )
+    p.add_argument(
+        "--fit-seconds", type=float, default=5.0, help="length of the fast fit (default 5; 0 skips)"
+    )
     args = p.parse_args(argv)
+    if args.fit_seconds < 0:
+        p.error("--fit-seconds must be >= 0")
     if args.simulate < 1 or args.pairs < 1 or args.block <= 0 or args.load_seconds < 0 or args.load_rate < 1:
         p.error(
             "--simulate, --pairs and --load-rate must be at least 1, --block positive, --load-seconds >= 0"
@@ -290,6 +304,72 @@ def load(args: argparse.Namespace, names: list[str]) -> None:
     print(f"  transfers counted by the view: {dash.transfers.count} (recorded {(recorded + 2) // 3})")
 
 
+# -- part 3: a fast fit ---------------------------------------------------------------------------
+
+
+def fast_fit(args: argparse.Namespace) -> None:
+    import optax
+
+    from mgkit.views._live import BURST, DRAW_SHARE, REFRESHER, THREAD_SHARE
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+    data = {"x": np.ones((4096, 16), np.float32), "y": np.ones((4096, 4), np.float32)}
+    tr = mg.Trainer(loss, optax.sgd(1e-3), {"w": jnp.zeros((16, 4))})
+    tr.fit(data, steps=5, batch_size=64, progress=False)  # compiled
+    led = mg.ledger()
+    led.clear()
+    gc.collect()
+    dash = mg.Dashboard(widget=True).watch(tr)
+    memory, throughput, transfers = dash.memory, dash.throughput, dash.transfers
+    entries = collections.deque(maxlen=10**7)
+    detach = led.attach(entries)  # counts the ledger's entries (one per call)
+    samples, busy, thread0 = memory.samples, REFRESHER.busy, _views_thread_cpu()
+    redraws0 = {view: getattr(view, "redraws", 0) for view in dash.views}
+    spent0 = {view: view.spent for view in dash.views}
+    t0, cpu0, steps = time.perf_counter(), time.process_time(), 0
+    try:
+        while time.perf_counter() - t0 < args.fit_seconds:
+            tr.fit(data, steps=100, batch_size=64, progress=False)
+            steps += 100
+        wall = time.perf_counter() - t0
+        cores = (time.process_time() - cpu0) / wall
+        samples, busy = memory.samples - samples, REFRESHER.busy - busy
+        thread = _views_thread_cpu() - thread0
+    finally:
+        detach()
+        dash.close()
+    history = memory.history(memory.rows()[0].context)
+    redraws = {view: getattr(view, "redraws", 0) - redraws0[view] for view in dash.views}
+    drawn = throughput.drawing / throughput.redraws if throughput.redraws else 0.0
+    allowed = 1.0 / max(1.0 / throughput.picture_rate, drawn / DRAW_SHARE)
+    left_out = throughput.skipped + transfers.skipped
+    print(
+        f"fast fit: {steps} steps in {wall:.1f} s ({steps / wall:.0f}/s), {len(entries) / wall:.0f} ledger "
+        f"entries/s, the process using {cores:.2f} cores, a live dashboard watching"
+    )
+    print(
+        f"  memory panel: {samples} samples, {samples / (memory.rate * wall):.0%} of its rate's "
+        f"({memory.rate:g}/s; goal >= 80 %); {history[-1].t - history[0].t:.1f} s of history"
+    )
+    print(
+        f"  pictures: throughput {redraws[throughput] / wall:.2f} redraws/s (its rate "
+        f"{throughput.picture_rate:g}/s; its draw budget allows {allowed:.2f}/s: {1e3 * drawn:.1f} ms a "
+        f"redraw), transfers {redraws[transfers] / wall:.2f}/s, memory {redraws[memory] / wall:.2f}/s "
+        f"(rate {memory.picture_rate:g}/s); {left_out} entries left out by the panels"
+    )
+    spent = ", ".join(
+        f"{type(view).__name__} {1e3 * (view.spent - spent0[view]) / wall:.1f}" for view in dash.views
+    )
+    print(f"  each panel's refreshes, ms of CPU a second: {spent}")
+    print(
+        f"  views' thread: {100 * busy / wall:.2f} % of a core by its own count, {100 * thread / wall:.2f} % "
+        f"from /proc (budget {100 * THREAD_SHARE:g} % of a core, {100 * (THREAD_SHARE + BURST / wall):.2f} % "
+        "with what it had saved up)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mg.simulate(args.simulate)  # before any JAX operation
@@ -299,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         f"jax {jax.__version__}, {len(jax.devices('cpu'))} simulated CPU devices (contexts {names[0]}.."
         f"{names[-1]}), default backend {jax.default_backend()}, python {sys.version.split()[0]}"
     )
+    if args.fit_seconds > 0:
+        fast_fit(args)
     speed(args, names)
     if args.load_seconds > 0:
         load(args, names)

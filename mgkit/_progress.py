@@ -87,6 +87,7 @@ class Run:
         info = {
             "what": self.what,
             "iteration": int(iteration),
+            "steps": int(done),  # the iterations its seconds span
             "of": self.total,
             "models": self.models[ctx],
             "loss": sum(losses) / len(losses) if losses else float("nan"),

@@ -66,25 +66,40 @@ def notebook_path() -> Path:
     return NOTEBOOK
 
 
-def report(out: str) -> None:
+def report(out: str, dash: Any = None) -> None:
     """Prints the dashboard as text (device map, transfers, throughput per context from the step
     and run events) and the ledger summary, and writes the dashboard's pictures into ``out``.
 
-    Runs in the tour's kernel after the last cell, so it reads that kernel's ledger.
+    Runs in the tour's kernel after the last cell, so it reads that kernel's ledger. ``dash``:
+    the notebook's own live dashboard, when it made one: the pictures then show what it saw while
+    the cells ran (its memory samples over the whole tour); else a new one, from the ledger.
     """
     from ._ledger import ledger
     from .views import Dashboard
 
-    dash = Dashboard(widget=False, live=False)
+    own = not isinstance(dash, Dashboard) or dash.closed
+    if own:
+        dash = Dashboard(widget=False, live=False)
     views = (dash, dash.devices, dash.transfers, dash.throughput)
     for name, view in zip(PICTURES, views, strict=True):
         view.save_png(os.path.join(out, name))
     print(dash.header.text(), dash.devices.text(), dash.throughput.text(), sep="\n\n")
     print()
+    print(_memory_span(dash.memory))
+    print()
     print(ledger().summary())
     print()
     print(ledger().matrix())
-    dash.close()
+    if own:
+        dash.close()
+
+
+def _memory_span(memory: Any) -> str:
+    """How much memory history the dashboard's picture shows: samples and seconds per context."""
+    rows = memory.rows()
+    history = memory.history(rows[0].context) if rows else []
+    seconds = history[-1].t - history[0].t if len(history) > 1 else 0.0
+    return f"memory: {len(history)} samples per context over {seconds:.1f} s (the dashboard's picture)"
 
 
 def _kernel_manager_class() -> type:
@@ -170,7 +185,9 @@ def run(
         resources={"metadata": {"path": str(out)}},
     )
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
-    report_cell = nbformat.v4.new_code_cell(f"import mgkit._tour\nmgkit._tour.report({str(out)!r})")
+    report_cell = nbformat.v4.new_code_cell(  # with the notebook's own dashboard, where it made one
+        f"import mgkit._tour\nmgkit._tour.report({str(out)!r}, globals().get('dash'))"
+    )
     nb.cells.append(report_cell)  # taken out again before the notebook is written
     code.append(len(nb.cells) - 1)
     bar = tqdm(total=len(code), desc="mgkit tour", unit="cell", disable=not progress, file=sys.stderr)

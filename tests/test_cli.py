@@ -2,6 +2,8 @@
 and writes the executed notebook and pictures; bad arguments get one clear line and exit 1 (2 for
 argparse's own errors), without hanging or leaving files behind."""
 
+import datetime
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,11 @@ def _mgkit(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedP
     """Runs the `mgkit` command in a fresh process (its own device count)."""
     cmd = [sys.executable, "-m", "mgkit._cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def _seconds(stamp: str) -> float:
+    """Seconds of an ISO time stamp as nbclient records a cell's timing."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 @pytest.mark.slow
@@ -47,6 +54,11 @@ def test_tour_prints_report_and_writes_files(tmp_path):
     assert "The mgkit tour" in html and "Mapped name dev7 to device cpu7" in html
     assert "mgkit throughput: 8 context(s) reporting" in html  # the dashboard, as text
     assert "application/vnd.jupyter.widget-view+json" not in html  # readable without a network
+    # dashboard.png's memory panel is the notebook's own dashboard's: sampled over the whole tour
+    timing = [c.metadata.execution for c in code]
+    cells = _seconds(timing[-1]["shell.execute_reply"]) - _seconds(timing[0]["iopub.execute_input"])
+    span = re.search(r"memory: \d+ samples per context over ([\d.]+) s", out)
+    assert span and float(span[1]) >= 0.5 * cells, (span and span[0], cells)
     for name in _tour.PICTURES:
         data = (folder / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 5_000, name

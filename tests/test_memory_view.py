@@ -122,7 +122,7 @@ def test_the_dashboard_has_the_memory_panel_and_it_samples_after_the_steps(tmp_p
     samples, now = dash.memory.samples, time.monotonic() + 1.0
     for k in range(1, 4):  # the views' thread's ticks after each fit
         tr.fit(_data(), steps=5, batch_size=64, progress=False)
-        dash._tick(now + k)
+        dash._tick(now + k, _live.Budget.unlimited())
     points = dash.memory.history("dev0")
     assert dash.memory.samples - samples == 3 and all(p.records >= 5 for p in points[-3:])  # 5 steps each
     assert "mgkit memory: 8 context(s)" in dash.text() and "optimizer state" in dash.text()
@@ -153,7 +153,9 @@ def test_a_live_view_samples_at_its_rate_on_the_views_thread():
     assert view in _live.REFRESHER._views  # the views' thread ticks it; here the test does
     _live.REFRESHER.discard(view)
     samples, now = view.samples, time.monotonic() + 1.0
-    ticks = [view._tick(now + k * 0.05) for k in range(1, 11)]  # 0.5 s of ticks at 20 a second
+    ticks = [
+        view._tick(now + k * 0.05, _live.Budget.unlimited()) for k in range(1, 11)
+    ]  # 0.5 s of ticks at 20 a second
     assert view.samples - samples == 5 and ticks.count(False) >= 5  # at most 10 samples a second
     view.close()
 
@@ -166,7 +168,7 @@ def test_a_live_view_samples_many_live_arrays_at_its_rate_reusing_recent_sums():
     samples, now = view.samples, time.monotonic() + 1.0
     for k in range(1, 16):  # 1.5 s of samples at 10 a second, the ledger busy
         mg.ledger().record(mg.Event("put", "host", "dev3", "host", "cpu3", 16, time.time(), 0.0))
-        view._tick(now + k * 0.11)
+        view._tick(now + k * 0.11, _live.Budget.unlimited())
         time.sleep(0.1)
     assert view.samples - samples == 15  # every sample taken, most with the last sum
     # sums are reused for 0.1 s: fewer sums than samples (the share of a core they cost is

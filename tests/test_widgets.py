@@ -502,12 +502,85 @@ def test_a_view_that_fails_to_refresh_is_logged_once_and_others_go_on(caplog, mo
 
 
 def test_the_refresh_thread_keeps_to_its_budget():
+    budget = _live.Budget(share=0.01, burst=0.02)
+    budget.charge(0.025)  # a refresh of 25 ms: 5 ms over what was saved up
+    assert not budget.allows()
+    budget.earn(wall=0.4)  # 4 ms earned: still short
+    assert not budget.allows()
+    budget.earn(wall=0.1)  # 1 ms more
+    assert budget.allows() is False and budget.credit == pytest.approx(0.0)
+    budget.earn(wall=100.0)  # idle for long: at most `burst` saved up
+    assert budget.credit == 0.02 and budget.spent == 0.025
     refresher = _live.Refresher(period=0.05, share=0.01)
-    # a round that used 2 ms of CPU: 0.2 s of sleep while the process has a core or more
-    assert refresher.pause(0.002, wall=1.0, cpu=1.9) == pytest.approx(0.2)
-    assert refresher.pause(0.002, wall=1.0, cpu=0.5) == pytest.approx(0.4)  # half a core: half the pace
-    assert refresher.pause(0.002, wall=1.0, cpu=0.0) == pytest.approx(2.0)  # at most 10x slower
-    assert refresher.pause(0.0001, wall=1.0, cpu=1.0) == 0.05  # cheap rounds: at the period
+    assert refresher.pause(credit=0.001) == 0.05  # credit left: at the period
+    assert refresher.pause(credit=-0.0007) == pytest.approx(0.07)  # until earned back
+    assert refresher.pause(credit=-0.01) == 0.1  # but the memory samples keep their rate
+    assert [_live.next_due(d, now, 4.0) for d, now in ((1.0, 1.05), (1.0, 1.3), (0.0, 5.0))] == [
+        1.25,  # a tick late: the next stays on the schedule (the rate holds)
+        1.55,  # a period late: a period from now (no burst to catch up)
+        5.25,
+    ]
+
+
+def _flood(led, steps):
+    """What a fast fit records per step: a split of its batch over 8 contexts, 8 step events and
+    the step's collectives, as calls of a layout (one entry each)."""
+    from mgkit._ledger import Kind, Layout
+
+    def layout(kind, nbytes, info):
+        return Layout([((kind, n, n, "cpu0", "cpu0", nbytes), 1.0, info) for n in NAMES])
+
+    split = layout(Kind.SPLIT, 512, None)
+    step = layout(Kind.STEP, 0, {"what": "fit", "of": 10**6, "models": 1, "rows": 8})
+    collective = layout(Kind.COLLECTIVE, 64, {"op": "all-reduce", "read": "program"})
+    for i in range(1, steps + 1):
+        t = time.time()
+        led.record(split.call(t, 1e-4, None))
+        extra = tuple({"samples_per_second": 8e4, "iteration": i, "loss": 0.5} for _ in NAMES)
+        led.record(step.call(t, 1e-4, None, extra))
+        led.record(collective.call(t, 0.0, None))
+
+
+def test_a_live_refresh_folds_the_newest_entries_of_a_heavy_stream_and_skips_the_rest():
+    led = Ledger()
+    view = mg.ThroughputView(ledger=led, widget=True, live=False)
+    _flood(led, 1000)
+    assert view.pending == 3000  # an entry per call
+    assert view._tick(time.monotonic() + 1, _live.Budget.unlimited())
+    assert view.pending == 0 and view.skipped == 1000 - _live.FOLD_CHUNK  # steps' calls only
+    rows = {r[0]: r for r in view._rows()}
+    assert rows["dev0"][4] == "100 us"  # each event its own step's time, not its time over the gap
+    _flood(led, 3)
+    view.refresh()  # by hand: all of them
+    assert view.skipped == 1000 - _live.FOLD_CHUNK
+    view.close()
+
+
+def test_a_dashboard_keeps_sampling_memory_and_drawing_during_a_fast_fit_within_the_budget():
+    import optax
+
+    tr = mg.Trainer(
+        lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2), optax.sgd(1e-3), {"w": jnp.zeros((16, 4))}
+    )
+    data = {"x": np.ones((4096, 16), np.float32), "y": np.ones((4096, 4), np.float32)}
+    tr.fit(data, steps=5, batch_size=64, progress=False)  # compiled
+    gc.collect()  # views other tests left behind share the thread's budget until collected
+    dash = mg.Dashboard(widget=True).watch(tr)  # refreshed by the views' thread
+    memory, throughput = dash.memory, dash.throughput
+    samples, busy, redraws = memory.samples, _live.REFRESHER.busy, throughput.redraws
+    start = time.monotonic()
+    while time.monotonic() - start < 5.0:  # hundreds of steps a second, 3 ledger entries each
+        tr.fit(data, steps=50, batch_size=64, progress=False)
+    wall = time.monotonic() - start
+    samples, busy = memory.samples - samples, _live.REFRESHER.busy - busy
+    redraws = throughput.redraws - redraws
+    dash.close()
+    assert samples >= 0.8 * memory.rate * wall, (samples, wall)  # its rate's samples
+    # the throughput picture at its rate (the dashboard's panels: 2 a second)
+    assert throughput.picture_rate == 2.0
+    assert redraws >= 0.75 * throughput.picture_rate * wall, (redraws, wall)
+    # the thread: 2 % of a core, with what it had saved up before
+    assert busy <= _live.THREAD_SHARE * wall + _live.BURST + 0.01, (busy, wall)
 
 
 def test_a_shared_reading_is_taken_at_most_once_a_period_and_within_its_share():

@@ -163,10 +163,26 @@ class Layout:
         return _new(Call, (self, start, seconds, label, extra))
 
     def events(
-        self, start: float, seconds: float, label: int | None, extra: tuple | None = None
+        self,
+        start: float,
+        seconds: float,
+        label: int | None,
+        extra: tuple | None = None,
+        rows: tuple[int, ...] | None = None,
     ) -> list[Event]:
         """The events of one call issued at ``start`` that took ``seconds`` together; ``extra``:
-        one dict per event of this call's own facts (a step's loss), merged into its info."""
+        one dict per event of this call's own facts (a step's loss), merged into its info;
+        ``rows``: the indexes of the events to make (default: all)."""
+        if rows is not None:
+            picked = [self.rows[i] for i in rows]
+            if extra is None:
+                return [
+                    _new(Event, (*head, start, seconds * share, label, info)) for head, share, info in picked
+                ]
+            return [
+                _new(Event, (*head, start, seconds * share, label, {**(info or {}), **extra[i]}))
+                for (head, share, info), i in zip(picked, rows, strict=True)
+            ]
         if extra is None:
             return [
                 _new(Event, (*head, start, seconds * share, label, info)) for head, share, info in self.rows
@@ -175,6 +191,10 @@ class Layout:
             _new(Event, (*head, start, seconds * share, label, {**(info or {}), **more}))
             for (head, share, info), more in zip(self.rows, extra, strict=True)
         ]
+
+    def select(self, kinds: frozenset[str], exclude: bool = False) -> tuple[int, ...]:
+        """The indexes of the events whose kind is in ``kinds`` (``exclude``: is not)."""
+        return tuple(i for i, (head, _, _) in enumerate(self.rows) if (head[0] in kinds) != exclude)
 
     def __iter__(self):
         return iter(self.rows)
@@ -195,8 +215,9 @@ class Call(NamedTuple):
     label: int | None  # the IPython execution count
     extra: tuple | None = None  # per event: this call's own facts, merged into its info
 
-    def events(self) -> list[Event]:
-        return self.layout.events(self.start, self.seconds, self.label, self.extra)
+    def events(self, rows: tuple[int, ...] | None = None) -> list[Event]:
+        """Its events (``rows``: the indexes of those to make; default: all)."""
+        return self.layout.events(self.start, self.seconds, self.label, self.extra, rows)
 
 
 Entry = Event | list[Event] | Call  # what ``Ledger.record`` and ``record_when_ready`` take

@@ -180,7 +180,15 @@ class StepEvents:
         self.contexts = tuple(contexts)
         self.facts: StepFacts | None = None  # what the trainer knows, for an out-of-memory report
         nan = float("nan")
-        self._info = {"what": what, "of": total, "models": 1, "grad": nan, "final": False, **(info or {})}
+        self._info = {
+            "what": what,
+            "of": total,
+            "models": 1,
+            "grad": nan,
+            "final": False,
+            "steps": 1,
+            **(info or {}),
+        }
         self._layouts: dict[tuple[int, ...], Layout] = {}
 
     def record(

@@ -23,11 +23,13 @@ from ._live import (
     DRAW_SHARE,
     PICTURE_RATE,
     REFRESHER,
+    Budget,
     Feed,
     check_count,
     check_ledger,
     check_rate,
     in_kernel,
+    next_due,
 )
 from ._png import figure, require_matplotlib, write_png
 
@@ -57,6 +59,7 @@ class LiveView(abc.ABC):
     kinds: ClassVar[frozenset[str] | None] = None  # event kinds the view follows; None: no feed
     exclude: ClassVar[bool] = False  # True: every kind except ``kinds``
     polls: ClassVar[bool] = False  # True: refresh on every tick, events or not
+    samples: ClassVar[bool] = False  # True: when due while the budget is spent, ``_when_spent()``
     css_class: ClassVar[str] = ""
     headers: ClassVar[tuple[str, ...]] = ()  # the columns of the view's table
     figsize: ClassVar[tuple[float, float]] = (7.0, 4.5)  # inches, for save_png
@@ -82,7 +85,10 @@ class LiveView(abc.ABC):
         self.contexts = check_contexts(contexts, self._where)
         self._lock = threading.RLock()
         self._feed: Feed | None = None
-        self._next = 0.0
+        self._next = 0.0  # when the live thread refreshes it next, at the earliest (time.monotonic)
+        self._due = 0.0  # when the live thread's refresh now running was due
+        self.spent = 0.0  # CPU seconds its refreshes by the live thread took, in all
+        self.fold_limit: int | None = None  # entries a live refresh folds at most (the newest)
         self._box: Any = None
         self._html: Any = None  # the HTML widget, where the view has one
         self.updates = 0
@@ -113,6 +119,16 @@ class LiveView(abc.ABC):
 
     def _stale(self) -> bool:
         """True when something is waiting to be drawn even without new events."""
+        return False
+
+    def _defer(self, due: float, budget: Budget) -> bool:
+        """True when a refresh due at ``due`` had better wait for a later tick although there is
+        credit."""
+        return False
+
+    def _when_spent(self) -> bool:
+        """What a view with ``samples`` does when due while the live thread's budget is spent
+        (the memory view: its sample, nothing drawn); True when anything changed."""
         return False
 
     @abc.abstractmethod
@@ -167,6 +183,12 @@ class LiveView(abc.ABC):
         one call's events)."""
         return len(self._feed) if self._feed is not None else 0
 
+    @property
+    def skipped(self) -> int:
+        """Ledger entries the live refreshes left out, in all: under a heavy stream a refresh
+        folds the newest ``fold_limit`` only (totals still count every one)."""
+        return self._feed.skipped if self._feed is not None else 0
+
     def refresh(self) -> bool:
         """Applies what happened since the last refresh: folds new events in, sets widget values
         and redraws plots. The live thread calls this at most ``rate`` times a second; call it
@@ -177,19 +199,35 @@ class LiveView(abc.ABC):
         with self._lock:
             if self.closed:
                 return False
-            events = self._feed.drain() if self._feed is not None else []
+            limit = self.fold_limit if budgeted else None
+            events = self._feed.drain(limit) if self._feed is not None else []
             changed = bool(self._update(events, budgeted))
             self.updates += changed
             return changed
 
-    def _tick(self, now: float) -> bool:
-        """The live thread's call: refreshes when due (rate) and when there is something to show."""
+    def _tick(self, now: float, budget: Budget) -> bool:
+        """The live thread's call: refreshes when due (rate), when there is something to show
+        and while ``budget`` has credit (else, or when ``_defer``, a view that ``samples`` only
+        samples), and charges the refresh's CPU time to ``budget``. A due view left out stays
+        due for the next tick."""
         if self.closed or now < self._next:
             return False
         if not (self.polls or self.pending or self._stale()):
             return False
-        self._next = now + 1.0 / self.rate
-        return self._refresh(budgeted=True)
+        # the time it was due (or now, when it fell a period behind): pictures keep to that grid
+        due = self._next if now - self._next < 1.0 / self.rate else now
+        full = budget.allows() and not self._defer(due, budget)
+        if not (full or self.samples):
+            return False
+        self._due = due
+        self._next = next_due(self._next, now, self.rate)
+        t0 = time.thread_time()
+        try:
+            return self._refresh(budgeted=True) if full else self._when_spent()
+        finally:
+            cost = time.thread_time() - t0
+            budget.charge(cost)
+            self.spent += cost
 
     def close(self) -> None:
         """Stops following the ledger and refreshing; a displayed widget keeps its last values."""
@@ -289,9 +327,16 @@ class Plotted(LiveView):
         self._drawn = -1
         self._draw_next = 0.0
         self.redraws = 0
+        self.drawing = 0.0  # CPU seconds the redraws took, in all
+        self.picture_rate = min(self.rate, PICTURE_RATE)  # live redraws per second, at most
 
     def _stale(self) -> bool:
         return self._plot is not None and self._drawn != self._version
+
+    def _defer(self, due: float, budget: Budget) -> bool:
+        """While the budget is short, a refresh waits until its picture may be redrawn too (the
+        table then follows the picture, and the budget goes to pictures)."""
+        return self._plot is not None and budget.short() and due < self._draw_next
 
     @abc.abstractmethod
     def svg(self) -> str:
@@ -299,17 +344,19 @@ class Plotted(LiveView):
 
     def _redraw(self, budgeted: bool) -> bool:
         """Redraws the picture if its data changed; from the live thread only when the budget
-        allows (at most PICTURE_RATE a second, drawing at most DRAW_SHARE of the wall time)."""
+        allows (at most ``picture_rate`` a second, drawing at most DRAW_SHARE of the wall time)."""
         if not self._stale():
             return False
-        now = time.monotonic()
-        if budgeted and now < self._draw_next:
+        # live: on the grid of the times the view was due, so ticks a little late keep the rate
+        at = self._due if budgeted else time.monotonic()
+        if budgeted and at < self._draw_next:
             return False
         t0 = time.thread_time()
         version = self._version
         self._plot.value = self.svg()
         cost = time.thread_time() - t0
-        self._draw_next = now + max(1.0 / min(self.rate, PICTURE_RATE), cost / DRAW_SHARE)
+        self._draw_next = at + max(1.0 / self.picture_rate, cost / DRAW_SHARE)
         self._drawn = version
         self.redraws += 1
+        self.drawing += cost
         return True

@@ -11,9 +11,13 @@ from ._base import LiveView
 from ._devicemap import DeviceMap
 from ._header import Header
 from ._launches import LaunchView
+from ._live import Budget, next_due
 from ._memory import MemoryView
 from ._throughput import ThroughputView
 from ._transfers import TransferView
+
+PANEL_RATE = 2.0  # refreshes per second of the transfer and throughput panels, pictures and tables
+MEMORY_PICTURE_RATE = 1.0  # redraws per second of the memory panel's picture (its samples: 4)
 
 
 class Dashboard(LiveView):
@@ -25,7 +29,8 @@ class Dashboard(LiveView):
       contexts: show only these contexts (default: all).
       max_rows: recent transfers listed, 1 to 1000.
       history: throughput points kept per context, 2 to 100000.
-      rate: refreshes per second, above 0 and at most 10.
+      rate: refreshes per second, above 0 and at most 10 (the panels at most their own: the
+        header 1, the device map and launches 2, memory, transfers and throughput 4).
       ledger: the ledger to follow (default ``mg.ledger()``).
       widget: True for an ipywidgets widget, False for text, None for a widget inside a
         Jupyter kernel and text elsewhere.
@@ -60,8 +65,10 @@ class Dashboard(LiveView):
         self.header = Header(rate=min(rate, 1.0), widget=mode, live=False)
         self.devices = DeviceMap(contexts, rate=min(rate, 2.0), widget=mode, live=False)
         self.memory = MemoryView(contexts, min(rate, 4.0), ledger=self._ledger, widget=mode, live=False)
-        self.transfers = TransferView(contexts, max_rows, rate, self._ledger, mode, live=False)
-        self.throughput = ThroughputView(contexts, history, rate, self._ledger, mode, live=False)
+        self.memory.picture_rate = min(rate, MEMORY_PICTURE_RATE)
+        panel = min(rate, PANEL_RATE)  # the pictures redraw no faster: their tables follow them
+        self.transfers = TransferView(contexts, max_rows, panel, self._ledger, mode, live=False)
+        self.throughput = ThroughputView(contexts, history, panel, self._ledger, mode, live=False)
         self.launches = LaunchView(rate=min(rate, 2.0), ledger=self._ledger, widget=mode, live=False)
         self.views = (self.header, self.devices, self.memory, self.transfers, self.throughput, self.launches)
         self._start()
@@ -78,9 +85,11 @@ class Dashboard(LiveView):
 
     def _show_launches(self) -> None:
         """Adds the launch table's widget below the others when the first launch appears."""
+        if self._box is None or not self.launches.active:
+            return
         with self._lock:  # the live thread and a refresh() on the main thread may both get here
             box, launches = self._box, self.launches.widget
-            if box is not None and self.launches.active and all(c is not launches for c in box.children):
+            if all(c is not launches for c in box.children):
                 box.children = (*box.children, launches)
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
@@ -88,11 +97,14 @@ class Dashboard(LiveView):
         self._show_launches()
         return changed
 
-    def _tick(self, now: float) -> bool:
+    def _tick(self, now: float, budget: Budget) -> bool:
+        """Ticks the panels, the one due longest first: while the budget is short they take turns,
+        and a costly one cannot starve the others."""
         if self.closed or now < self._next:
             return False
-        self._next = now + 1.0 / self.rate
-        changed = any([view._tick(now) for view in self.views])
+        self._next = next_due(self._next, now, self.rate)
+        turns = sorted(self.views, key=lambda view: view._next)
+        changed = any([view._tick(now, budget) for view in turns])
         self._show_launches()
         self.updates += changed
         return changed

@@ -8,16 +8,26 @@ set widget values; it holds views weakly, so a view nobody references any more s
 refreshing and is collected. Widgets are displayed from the main thread only; this thread
 just sets values, which ipywidgets sends to the browser even while a cell runs.
 
-Pictures redraw at most PICTURE_RATE times a second, and within a time budget: a redraw that
-took ``c`` seconds is followed by none for ``c / DRAW_SHARE`` seconds, so each picture takes at
-most ~0.3 % of the wall time. Text values follow at the view's full rate. The thread as a whole
-keeps to a budget too: after a round of refreshes that used ``c`` seconds of its CPU time it
-sleeps at least ``c / THREAD_SHARE`` seconds, so however many events arrive and however many
-views there are, it takes at most ~1 % of a core (and of the GIL) from the work it watches;
-under a heavy stream of events the views refresh less often, never the work more slowly. Costs
-are the thread's own CPU time (``time.thread_time``), not wall time: on a busy machine a round
-that waited for a core or for the GIL is not charged for the wait; and where the process gets
-less than a core (a machine busy with other work), the budget is that share of what it gets.
+Pictures redraw at most PICTURE_RATE times a second (a view's ``picture_rate``), and within a
+time budget: a redraw that took ``c`` seconds is followed by none for ``c / DRAW_SHARE``
+seconds, so each picture takes at most ~0.6 % of the wall time. Text values follow at the
+view's full rate.
+
+The thread as a whole keeps to a budget, ``THREAD_SHARE`` (2 %) of one core, held as credit
+(``Budget``): earned with the wall time, up to ``BURST`` seconds of CPU saved, and spent by each
+view's refresh. The thread looks at its views every ``TICK`` seconds (while the credit is spent,
+every ``1 / MAX_RATE`` s at most); a view that is due refreshes only while there is credit (the
+memory view still takes its samples, which are cheap, and charges them; while it is short, a
+view with a picture waits until the picture may be redrawn too), and a dashboard serves first
+the panel due longest. A feed makes only the events of its kinds (a step's collectives cost a
+view of steps nothing), and a live refresh folds at most ``FOLD_CHUNK`` of the newest entries
+of a heavy stream (the older ones are skipped and counted; totals come from the ledger's own),
+so no one refresh is costly and no view's work stops the others' for long: however many events
+arrive and however many views there are, the views take at most ~2 % of a core (and of the
+GIL) from the work they watch, and under a heavy stream of events they fold fewer of them,
+never the work more slowly. Costs are the thread's own CPU time (``time.thread_time``), not
+wall time: on a busy machine a round that waited for a core or for the GIL is not charged for
+the wait.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import math
 import sys
 import threading
 import time
@@ -32,18 +43,19 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .._ledger import Event, Ledger, events_of, ledger
+from .._ledger import Call, Event, Layout, Ledger, ledger
 from .._numbers import real, whole
 
 log = logging.getLogger("mgkit")
 
 MAX_RATE = 10.0  # refreshes per second, at most
 BUFFER = 10_000  # events a view holds between two refreshes, at most
-DRAW_SHARE = 0.003  # share of the wall time each picture may take to draw
+DRAW_SHARE = 0.006  # share of the wall time each picture may take to draw
 PICTURE_RATE = 4.0  # picture redraws per second, at most
 TICK = 0.05  # seconds between the refresh thread's looks at its views
-THREAD_SHARE = 0.01  # share of a core (or of the process's CPU) the refresh thread may take
-MIN_CORES = 0.1  # below this share of a core the process gets, the budget stops shrinking
+THREAD_SHARE = 0.02  # share of one core the refresh thread may take
+BURST = 0.02  # CPU seconds of the thread's budget saved up while its views have nothing to do
+FOLD_CHUNK = 8  # entries of a heavy stream a budgeted refresh folds at most, the newest
 
 
 def check_count(value: Any, name: str, where: str, lo: int, hi: int, example: int) -> int:
@@ -80,24 +92,54 @@ class Feed:
 
     The ledger appends each entry as it is recorded (``Ledger.attach``): one ``deque.append``
     per call, never blocking; the events are made and filtered by kind when the view drains
-    them. When more than ``size`` entries arrive between two drains the oldest are dropped.
+    them (a call whose layout holds none of the feed's kinds is left out before its events are
+    made). When more than ``size`` entries arrive between two drains the oldest are dropped.
     """
 
     def __init__(self, led: Ledger, kinds: frozenset[str], exclude: bool, size: int = BUFFER):
         self.buffer: collections.deque = collections.deque(maxlen=size)
         self.kinds, self.exclude = kinds, exclude
+        self.skipped = 0  # entries of the feed's kinds left out by ``drain(limit)``, in all
+        self._rows: dict[Layout, tuple[int, ...]] = {}  # per layout: the indexes of its events of our kinds
         self._detach = led.attach(self.buffer)
 
     def __len__(self) -> int:
         return len(self.buffer)
 
-    def drain(self) -> list[Event]:
+    def _wanted(self, layout: Layout) -> tuple[int, ...]:
+        rows = self._rows.get(layout)
+        if rows is None:
+            if len(self._rows) >= 256:  # layouts are few and kept by their callers: this stays small
+                self._rows.clear()
+            rows = self._rows[layout] = layout.select(self.kinds, self.exclude)
+        return rows
+
+    def drain(self, limit: int | None = None) -> list[Event]:
         """Takes every buffered event of the feed's kinds, oldest first (entries appended
-        meanwhile stay for next time)."""
+        meanwhile stay for next time); with ``limit``, those of the newest ``limit`` entries of
+        its kinds only, the older ones skipped (counted in ``skipped``). Of a call's events only
+        those of the feed's kinds are made: a step's collectives cost a view of steps nothing."""
         pop = self.buffer.popleft
-        events = events_of([pop() for _ in range(len(self.buffer))])
-        kinds, exclude = self.kinds, self.exclude
-        return [e for e in events if (e.kind in kinds) != exclude]
+        kinds, exclude, wanted = self.kinds, self.exclude, self._wanted
+        kept: list[tuple[Any, tuple[int, ...] | None]] = []
+        for _ in range(len(self.buffer)):
+            entry = pop()
+            if type(entry) is Call:
+                rows = wanted(entry.layout)
+                if rows:
+                    kept.append((entry, rows))
+            elif (entry.kind in kinds) != exclude:
+                kept.append((entry, None))
+        if limit is not None and len(kept) > limit:
+            self.skipped += len(kept) - limit
+            kept = kept[-limit:]
+        out: list[Event] = []
+        for entry, rows in kept:
+            if rows is None:
+                out.append(entry)
+            else:
+                out.extend(entry.events(rows))
+        return out
 
     def skip(self) -> int:
         """Drops the buffered entries without making their events (a view that only needs to
@@ -194,12 +236,45 @@ class CompileClock:
 COMPILES = CompileClock()
 
 
+class Budget:
+    """The views' thread's CPU budget, as credit: earned at ``share`` of one core for each
+    second of wall time, at most ``burst`` seconds saved; spent by the views' refreshes.
+    ``Budget.unlimited()``: a refresh by hand, never held back."""
+
+    def __init__(self, share: float = THREAD_SHARE, burst: float = BURST):
+        self.share, self.burst = share, burst
+        self.credit = burst  # CPU seconds the views may still spend now
+        self.spent = 0.0  # CPU seconds charged, in all
+
+    @classmethod
+    def unlimited(cls) -> Budget:
+        return cls(share=math.inf, burst=math.inf)
+
+    def earn(self, wall: float) -> None:
+        """Adds the credit of ``wall`` seconds."""
+        self.credit = min(self.credit + wall * self.share, self.burst)
+
+    def allows(self) -> bool:
+        """True while there is credit left."""
+        return self.credit > 0.0
+
+    def short(self) -> bool:
+        """True while less than half of what may be saved up is left (the views are busy)."""
+        return self.credit < self.burst / 2
+
+    def charge(self, cost: float) -> None:
+        """Takes ``cost`` CPU seconds off the credit (it may go below zero: the views then wait)."""
+        self.credit -= cost
+        self.spent += cost
+
+
 class Refresher:
-    """One daemon thread that ticks every live view; views are held weakly."""
+    """One daemon thread that ticks every live view within one budget; views are held weakly."""
 
     def __init__(self, period: float = TICK, share: float = THREAD_SHARE):
         self.period = period
         self.share = share
+        self.budget = Budget(share)
         self.busy = 0.0  # seconds spent refreshing, in all
         self._views: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -225,16 +300,17 @@ class Refresher:
         with self._lock:
             return self._thread is not None
 
-    def tick(self, now: float | None = None) -> int:
-        """Refreshes every view that is due; returns how many changed. A view that raises is
-        logged (once) and the others go on."""
+    def tick(self, now: float | None = None, budget: Budget | None = None) -> int:
+        """Refreshes every view that is due (within ``budget``; default: none held back);
+        returns how many changed. A view that raises is logged (once) and the others go on."""
         now = time.monotonic() if now is None else now
+        budget = Budget.unlimited() if budget is None else budget
         with self._lock:
             views = list(self._views)
         changed = 0
         for view in views:
             try:
-                changed += bool(view._tick(now))
+                changed += bool(view._tick(now, budget))
             except Exception:
                 view.errors += 1
                 if view.errors == 1:
@@ -245,30 +321,40 @@ class Refresher:
         return changed
 
     def _run(self) -> None:
-        wall, cpu = time.perf_counter(), time.process_time()
+        budget = self.budget
+        wall = time.perf_counter()
         while True:
             with self._lock:
                 if not self._views:
                     self._thread = None
                     return
-            t0 = time.thread_time()
+            t0, spent = time.thread_time(), budget.spent
             try:
-                self.tick()
+                self.tick(budget=budget)
             except Exception:  # noqa: BLE001  # pragma: no cover - interpreter shutdown
                 return
             cost = time.thread_time() - t0
             self.busy += cost
-            time.sleep(self.pause(cost, time.perf_counter() - wall, time.process_time() - cpu))
-            wall, cpu = time.perf_counter(), time.process_time()
+            budget.charge(max(cost - (budget.spent - spent), 0.0))  # the round's own work
+            time.sleep(self.pause(budget.credit))
+            now = time.perf_counter()
+            budget.earn(now - wall)
+            wall = now
 
-    def pause(self, cost: float, wall: float, cpu: float) -> float:
-        """Seconds to sleep after a round that used ``cost`` seconds of the thread's CPU time,
-        when the process used ``cpu`` seconds of CPU time over the last ``wall`` seconds: the
-        round's cost over the budget, a share of one core, or of the cores the process got when
-        that was less than one (a machine busy with other work gives it less: the views then
-        take a share of what the work gets, not of a core it never had)."""
-        cores = min(max(cpu / wall if wall > 0 else 1.0, MIN_CORES), 1.0)
-        return max(self.period, cost / (self.share * cores))
+    def pause(self, credit: float) -> float:
+        """Seconds to sleep after a round: the period while there is ``credit``; else until the
+        budget has earned it back, but at most 1 / MAX_RATE (the memory samples keep their rate)."""
+        if credit > 0.0:
+            return self.period
+        return min(max(self.period, -credit / self.share), 1.0 / MAX_RATE)
+
+
+def next_due(due: float, now: float, rate: float) -> float:
+    """When a view refreshed at ``now`` (due at ``due``) is next due at ``rate`` a second: a
+    period after it was due, so late ticks do not slow the rate, or a period from now when it
+    fell a period behind."""
+    period = 1.0 / rate
+    return due + period if due + period > now else now + period
 
 
 REFRESHER = Refresher()

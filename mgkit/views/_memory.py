@@ -79,7 +79,9 @@ class MemoryView(Plotted):
     from the bytes of the live jax arrays on each device (the peak is then the most of the
     samples), drawn against the limit of ``mg.simulate(n, memory=...)`` where one was given.
     A sample is taken at every refresh (``rate`` a second, at most 10), so after the steps and
-    moves the ledger recorded meanwhile (counted in each ``MemoryPoint``). The live arrays,
+    moves the ledger recorded meanwhile (counted in each ``MemoryPoint``); refreshed live, the
+    samples keep their rate also while the views' thread has spent its budget (the table and
+    the picture then wait for it). The live arrays,
     which cost about 4 microseconds an array to sum, are summed again at most every 0.1 s while
     the ledger records and every 1 s while it does not, and within 1 % of a core (a reading
     shared with the device map).
@@ -109,6 +111,7 @@ class MemoryView(Plotted):
     kinds = frozenset()  # every kind (exclude): any record says the live arrays may have changed
     exclude = True
     polls = True
+    samples = True  # its samples are taken at its rate even while the live thread's budget is spent
     css_class = "mgkit-memory"
     headers = ("context", "device", "in use", "peak", "limit", "source", *BANDS)
     figsize = (8.0, 4.5)
@@ -212,6 +215,18 @@ class MemoryView(Plotted):
             if self._feed is not None:
                 self._records += self._feed.skip()
         return super()._refresh(budgeted)
+
+    def _when_spent(self) -> bool:
+        """A sample, nothing else (the live thread's budget is spent: the table, the bands and
+        the picture follow once it allows)."""
+        with self._lock:
+            if self.closed:
+                return False
+            if self._feed is not None:
+                self._records += self._feed.skip()
+            self._sample(busy=self._records > 0, fresh=False)
+            self._version += 1
+            return True
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
         self._records += len(events)

@@ -74,15 +74,18 @@ def _thin(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return x[keep], y[keep]
 
 
-def _segments(px: np.ndarray, py: np.ndarray, finite: np.ndarray) -> list[str]:
-    """The ``points`` text of each run of finite points (whole pixels: ints print fast)."""
-    if finite.all():
-        return [" ".join(map(str, np.rint(np.column_stack([px, py])).astype(np.int32).ravel().tolist()))]
-    out = []
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], finite, [False]]).astype(np.int8)))
-    for lo, hi in zip(edges[::2], edges[1::2], strict=True):
-        xy = np.rint(np.column_stack([px[lo:hi], py[lo:hi]])).astype(np.int32)
-        out.append(" ".join(map(str, xy.ravel().tolist())))
+def _segments(words: list[str], finite: list[bool], lo: int, hi: int) -> list[str]:
+    """The ``points`` text of each run of finite points among points ``lo..hi`` (``words``: two
+    per point, its whole-pixel x and y as text)."""
+    if all(finite[lo:hi]):
+        return [" ".join(words[2 * lo : 2 * hi])]
+    out, start = [], None
+    for k in range(lo, hi + 1):
+        if k < hi and finite[k]:
+            start = k if start is None else start
+        elif start is not None:
+            out.append(" ".join(words[2 * start : 2 * k]))
+            start = None
     return out
 
 
@@ -121,15 +124,13 @@ class _YScale(NamedTuple):
     logged: bool  # True: a log scale
 
 
-def _y_scale(series: Mapping[str, tuple[np.ndarray, np.ndarray]], log: bool) -> _YScale:
-    """The y axis for ``series``: log where asked and the positive values span more than a
-    factor of 20, else linear from 0."""
-    ys = [np.asarray(y, float) for _, y in series.values() if len(y)]
-    ys = [y[np.isfinite(y)] for y in ys]
-    ys = [y for y in ys if y.size]
-    y_max = max(float(y.max()) for y in ys) if ys else 0.0
-    positive = [y[y > 0] for y in ys if (y > 0).any()]
-    y_min = min(float(y.min()) for y in positive) if positive else 0.0
+def _y_scale(ys: np.ndarray, log: bool) -> _YScale:
+    """The y axis for the values ``ys`` (of every line of a panel): log where asked and the
+    positive values span more than a factor of 20, else linear from 0."""
+    ys = ys[np.isfinite(ys)]
+    y_max = float(ys.max()) if ys.size else 0.0
+    positive = ys[ys > 0]
+    y_min = float(positive.min()) if positive.size else 0.0
     if log and y_min > 0 and y_max > 20 * y_min:
         lo, hi = math.floor(math.log10(y_min)), math.ceil(math.log10(y_max))
 
@@ -145,31 +146,45 @@ def _y_scale(series: Mapping[str, tuple[np.ndarray, np.ndarray]], log: bool) -> 
 def _panel(
     box: _Box, panel: Panel, palette: Mapping[str, str], markers: Mapping[str, str], log: bool
 ) -> list[str]:
-    """One panel's frame, grid, y labels and lines."""
+    """One panel's frame, grid, y labels and lines (the numbers of all its lines worked out
+    together: a panel costs a few array operations, not a few per line)."""
     left, top, width, height, x0, x1 = box
-    axis = _y_scale(panel.series, log)
+    names, xs, ys = [], [], []
+    for name, (x, y) in panel.series.items():
+        if len(x):
+            x, y = _thin(np.asarray(x, float), np.asarray(y, float))
+            names.append(name)
+            xs.append(x)
+            ys.append(y)
+    y_all = np.concatenate(ys) if ys else np.zeros(0)
+    axis = _y_scale(y_all, log)
     out = [f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="#bbb"/>']
-    for v in axis.ticks:
-        y = top + height - height * float(axis.scale(np.array([v]))[0])
+    for v, share in zip(axis.ticks, axis.scale(np.array(axis.ticks)).tolist(), strict=True):
+        y = top + height - height * share
         out.append(f'<line x1="{left}" x2="{left + width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
         out.append(_text(left - 4, y + 3, compact(v), "end"))
     mid = top + height / 2
     label = f"{panel.y_label} (log)" if axis.logged else panel.y_label
     out.append(_text(12, mid, label, "middle", f' transform="rotate(-90 12 {mid:.1f})"'))
-    for name, (x, y) in panel.series.items():
-        if not len(x):
-            continue
-        x, y = _thin(np.asarray(x, float), np.asarray(y, float))
-        px = left + (x - x0) / (x1 - x0) * width
-        py = top + height - np.clip(axis.scale(y), 0.0, 1.0) * height
-        finite = np.isfinite(px) & np.isfinite(py)
+    if not names:
+        return out
+    px = left + (np.concatenate(xs) - x0) / (x1 - x0) * width
+    py = top + height - np.clip(axis.scale(y_all), 0.0, 1.0) * height
+    ok = np.isfinite(px) & np.isfinite(py)
+    xy = np.rint(np.column_stack([np.where(ok, px, 0.0), np.where(ok, py, 0.0)])).astype(np.int32)
+    words = list(map(str, xy.ravel().tolist()))  # whole pixels: ints print fast
+    finite = ok.tolist()
+    lo = 0
+    for name, x in zip(names, xs, strict=True):
+        hi = lo + len(x)
         color = palette.get(name, "#333")
         ends = f"url(#{markers[name]})"
-        for points in _segments(px, py, finite):
+        for points in _segments(words, finite, lo, hi):
             out.append(
                 f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.2" '
                 f'stroke-opacity="0.7" marker-start="{ends}" marker-mid="{ends}" marker-end="{ends}"/>'
             )
+        lo = hi
     return out
 
 
@@ -194,10 +209,12 @@ def lines(
     left, right, top, gap, bottom = 56, 10, 34, 14, 30
     height = top + len(panels) * panel_height + (len(panels) - 1) * gap + bottom
     plot_w = width - left - right
-    xs = [x[np.isfinite(x)] for panel in panels for x, _ in panel.series.values() if len(x)]
-    xs = [x for x in xs if x.size]
-    x0 = min(float(x.min()) for x in xs) if xs else 0.0
-    x1 = max(float(x.max()) for x in xs) if xs else 1.0
+    every = [np.asarray(x, float) for panel in panels for x, _ in panel.series.values() if len(x)]
+    x_all = np.concatenate(every) if every else np.zeros(0)
+    x_all = x_all[np.isfinite(x_all)]
+    xs = x_all.size > 0
+    x0 = float(x_all.min()) if xs else 0.0
+    x1 = float(x_all.max()) if xs else 1.0
     if x1 <= x0:
         x0, x1 = x0 - 0.5, x0 + 0.5
     names = list(dict.fromkeys(n for panel in panels for n in panel.series))

@@ -18,7 +18,7 @@ from .._ledger import Event, Kind, Ledger
 from . import _svg
 from ._base import Plotted
 from ._format import duration, rate_text
-from ._live import COMPILES, CompileClock, check_count
+from ._live import COMPILES, FOLD_CHUNK, CompileClock, check_count
 from ._png import Trace, draw_throughput
 from ._svg import by_source
 
@@ -248,6 +248,9 @@ class ThroughputView(Plotted):
         self.history = check_count(history, "history", self._where, 2, 100_000, 300)
         self._series: dict[str, _Line] = {}  # line name -> its points
         self._last: dict[tuple[str, str], int] = {}  # (context, fit) -> its last step's iteration
+        self._skipped = 0  # entries the live refreshes left out, as last seen
+        self._unknown = 0  # a fit's last iteration before its first event seen: -1 once some were left out
+        self.fold_limit = FOLD_CHUNK
         self._t0 = time.time()
         COMPILES.listen()  # from now on, calls that compile are timed without their compilation
         self._start()
@@ -272,7 +275,8 @@ class ThroughputView(Plotted):
         groups = self._grouped(events)
         if not groups:
             return False
-        spans = COMPILES.spans()
+        runs = any(not step for _, step, _, _ in groups)  # only runs have compilations taken out
+        spans = COMPILES.spans() if runs else []
         ends = [end for end, _ in spans]
         arrivals: list[_Arrival] = []
         losses: dict[str, float] = {}
@@ -361,9 +365,15 @@ class ThroughputView(Plotted):
             return None
         if is_step:
             iteration = e.info.get("iteration")
-            last_iteration = self._last.get((e.src, source), 0)
+            last_iteration = self._last.get((e.src, source), self._unknown)
+            spans = e.info.get("steps")
             if isinstance(iteration, int) and iteration > 0:
-                steps = iteration - last_iteration if iteration > last_iteration else iteration
+                if isinstance(spans, int) and spans > 0:  # the event says how many iterations
+                    steps = spans
+                elif last_iteration < 0:  # steps left out since: its seconds are its own step's
+                    steps = 1
+                else:
+                    steps = iteration - last_iteration if iteration > last_iteration else iteration
                 self._last[(e.src, source)] = iteration
         return Point(e.start + e.seconds - self._t0, rate, seconds / steps, compiled, rate * seconds, steps)
 
@@ -385,6 +395,9 @@ class ThroughputView(Plotted):
         return {name: line.trace() for name, line in self._ordered()}
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
+        if self.skipped != self._skipped:  # a heavy stream: some steps left out
+            self._skipped, self._unknown = self.skipped, -1
+            self._last = dict.fromkeys(self._last, -1)
         changed = self._fold(events)
         if changed:
             self._version += 1

@@ -77,6 +77,9 @@ class TransferView(Plotted):
         self._collectives = _check_flag(collectives, "collectives", self._where)
         self._toggle: Any = None  # the widget's "collectives" checkbox
         self.max_rows = check_count(max_rows, "max_rows", self._where, 1, 1000, 10)
+        self.fold_limit = (
+            self.max_rows
+        )  # entries, the newest (each one event or more): the table lists no more
         self._recent: collections.deque[Event] = collections.deque(maxlen=self.max_rows)
         self._totals: dict[tuple[str, str, str], tuple[int, int, float]] = {}
         self.count = 0
