@@ -21,6 +21,9 @@ trainer does on CPU devices). Every variant is one ``jax.jit`` of the same loss 
               parameters and optimizer state
   mask        no conditional: ``where(ok, updates, 0)`` added to the parameters, the optimizer
               state selected per leaf
+  loop        the optax update in a ``fori_loop`` run ``ok`` times (0 or 1): a loop's carried
+              state is updated in place, where a conditional's outputs are new buffers
+  pick        the update computed outside; ``lax.cond`` only picks the new or the old state
 
 Each round runs ``--steps`` steps of every variant in turn (the order reversed every other
 round); printed: per variant the median time per step (CPU time, ``time.process_time``, and
@@ -48,7 +51,7 @@ from mgkit.train._precision import finite
 from mgkit.train._step import update
 
 SIZES = {"mlp": [784, 256, 10], "wide": [784, 2048, 2048, 2048, 10], "tiny": [8, 4, 2]}
-VARIANTS = ("plain", "guard", "loss-cond", "flag-only", "state-cond", "select", "mask")
+VARIANTS = ("plain", "guard", "loss-cond", "flag-only", "state-cond", "select", "mask", "loop", "pick")
 
 
 def parse_args(argv=None):
@@ -103,6 +106,11 @@ def step_of(variant, loss_fn, opt):
             p, s = jax.lax.cond(ok, apply, lambda p, s, g: (p, s), p, s, g)
         elif variant == "flag-only":
             p, s = apply(p, s, g)
+        elif variant == "pick":
+            new = apply(p, s, g)
+            p, s = jax.lax.cond(ok, lambda n, o: n, lambda n, o: o, new, (p, s))
+        elif variant == "loop":
+            p, s = jax.lax.fori_loop(0, ok.astype(jnp.int32), lambda _, ps: apply(*ps, g), (p, s))
         elif variant == "state-cond":
             zero = lambda s, g, p: (jax.tree_util.tree_map(jnp.zeros_like, p), s)  # noqa: E731
             u, s = jax.lax.cond(ok, lambda s, g, p: opt.update(g, s, p), zero, s, g, p)

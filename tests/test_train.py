@@ -220,6 +220,26 @@ def test_a_finite_loss_with_a_nan_gradient_is_not_applied(contexts):
     assert tr.step == 2 and np.isfinite(np.asarray(tr.params["w"])).all()
 
 
+@pytest.mark.parametrize("contexts", ["a->cpu0;b->cpu1;c->cpu2", "a->cpu0;b->cpu0;c->cpu1"])
+def test_on_nan_apply_runs_the_step_without_its_guard(contexts):
+    """on_nan='apply': no guard in the step (both paths), every update applied as a hand-written
+    step would; a non-finite loss still stops the fit, saying the state now holds that update."""
+    mg.use_contexts(contexts, verbose=False)
+    data, params = _problem()
+    bad = {"x": data["x"][:60].copy(), "y": data["y"][:60]}
+    bad["x"][3, 2] = np.nan
+    good = {"x": data["x"][60:120], "y": data["y"][60:120]}
+    tr = mg.Trainer(_loss, optax.sgd(0.1), params, on_nan="apply")
+    same = mg.Trainer(_loss, optax.sgd(0.1), params)  # guarded: the same steps while all is finite
+    np.testing.assert_allclose(
+        tr.fit(good, steps=2, progress=False).loss, same.fit(good, steps=2, progress=False).loss, rtol=1e-6
+    )
+    with pytest.raises(FloatingPointError, match=r"step 3's loss is nan.*on_nan='apply'.*update was applied"):
+        tr.fit(lambda step: bad, steps=1, progress=False)
+    assert tr.history.stopped == "nan" and tr.step == 3
+    assert not np.isfinite(np.asarray(tr.params["w1"])).all()  # the update is in the state
+
+
 def test_half_precision_gradients_with_a_large_sum_are_applied():
     """The finiteness flag sums each gradient in float32: 60,000 float16 gradients of 2 each sum
     past float16's largest value (65,504), and the update still applies."""
@@ -369,7 +389,7 @@ def _fit(**kw):
         (
             lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, on_nan="ignore"),
             ValueError,
-            r"on_nan='ignore'.*'skip'",
+            r"on_nan='ignore'.*'skip'.*'apply'",
         ),
         (lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, contexts=["nope"]), mg.ContextError, r"nope"),
         (lambda: mg.Trainer(_loss, optax.sgd(0.1), _PARAMS, seed=-1), ValueError, r"seed"),

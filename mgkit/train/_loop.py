@@ -56,18 +56,31 @@ class Stop:
 
 
 ON_NAN = ("raise", "skip")
+UNGUARDED = "apply"  # a trainer's step without the guard: every update applied, as written by hand
 
 
-def check_on_nan(on_nan: Any, where: str) -> str:
-    """``on_nan`` as given, where it is one of ``ON_NAN``."""
-    if on_nan not in ON_NAN:
-        raise ValueError(f"{where}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss) or 'skip'")
+def check_on_nan(on_nan: Any, where: str, unguarded: bool = False) -> str:
+    """``on_nan`` as given, where it is one of ``ON_NAN`` (or, with ``unguarded``, ``"apply"``)."""
+    modes = (*ON_NAN, UNGUARDED) if unguarded else ON_NAN
+    if on_nan not in modes:
+        also = " or 'apply' (no guard in the step: every update applied; stop at a non-finite loss)"
+        raise ValueError(
+            f"{where}: on_nan={on_nan!r}; use 'raise' (stop at a non-finite loss, its update not applied), "
+            f"'skip' (skip such updates and go on){also if unguarded else ''}"
+        )
     return on_nan
 
 
 def not_finite(where: str, step: int, loss: float, kept: str, fix: str) -> FloatingPointError:
     """The error of a step whose loss or gradient is not finite (its update was not applied);
     ``kept``: whose state is kept, ``fix``: how to skip such steps instead."""
+    if kept == UNGUARDED:
+        return FloatingPointError(
+            f"{where}: step {step}'s loss is {loss}: the fit stopped there, and under on_nan='apply' "
+            "its update was applied (the step has no guard), so params and opt_state hold it and are "
+            "not finite. Lower the learning rate, check the batch's data, or use on_nan='raise' (the "
+            "default) to keep the last finite state"
+        )
     return FloatingPointError(
         f"{where}: step {step}'s loss is {loss} (or a gradient is not finite): its update was not "
         f"applied, and {kept}; params and opt_state are the last finite ones (from before that step). "

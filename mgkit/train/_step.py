@@ -45,16 +45,22 @@ class StepOut(NamedTuple):
     scale: Any = None  # precision="fp16": the LossScale after the step (else None)
 
 
-def update(optimizer: optax.GradientTransformation, params, opt_state, loss, grads, alive=None) -> tuple:
+def update(
+    optimizer: optax.GradientTransformation, params, opt_state, loss, grads, alive=None, guard: bool = True
+) -> tuple:
     """The optax update where the loss and every gradient are finite (and ``alive``, when
     given, is True), else the state as it was: (params, opt_state, ok). One branch runs
-    (``lax.cond`` on a replicated flag).
+    (``lax.cond`` on a replicated flag). ``guard=False``: the update applied whatever it
+    holds, as a hand-written step does (``ok``: the loss is finite); no conditional.
 
     The flag is whether the loss plus the sum of every gradient is finite: a NaN or an infinity
     anywhere makes that sum so, and one fused sum per leaf costs a fraction of an elementwise
     ``isfinite`` pass over the gradient (measured: about 1.5 % of a dispatch-bound step against
     10 %). Sums accumulate in at least float32, so half-precision gradients do not overflow; a
     float32 gradient whose sum overflows is itself past any useful step and is not applied."""
+    if not guard:
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.isfinite(loss)
     ok = finite((loss, grads))
     if alive is not None:
         ok = jnp.logical_and(ok, alive)
@@ -79,6 +85,7 @@ def spmd_step(
     accumulate: int = 1,
     precision: str = "fp32",
     layout: Any = None,
+    guard: bool = True,
 ) -> Callable:
     """The jitted step over ``devices``: (params, opt_state, even, rest, key) -> StepOut, with
     ``even`` split over the devices (None for a batch with fewer rows than devices) and ``rest``
@@ -96,7 +103,8 @@ def spmd_step(
     takes ``alive`` (None where not gated) and the ``LossScale``, and returns the next one.
     ``layout``: a ``Placement`` (``shard=``): parameters and optimizer state stored split (and
     padded) as it says, the batch split over its batch axis, the step traced and run with its
-    mesh in force (``InForce``); None: replicated."""
+    mesh in force (``InForce``); None: replicated. ``guard=False``: no non-finite guard
+    (``update``)."""
     rep, split = sharding(devices), sharding(devices, AXIS, 0)
     state, groups = (rep, rep), len(devices)
     if layout is not None:
@@ -116,7 +124,7 @@ def spmd_step(
             params, opt_state = layout.unpad(optimizer, params, opt_state)
         loss, aux, grads = grad(params, even, rest, key, scale)
         scale = next_scale(scale, loss, grads)
-        params, opt_state, ok = update(optimizer, params, opt_state, loss, grads, alive)
+        params, opt_state, ok = update(optimizer, params, opt_state, loss, grads, alive, guard)
         if layout is not None:
             params, opt_state = layout.pad(optimizer, params, opt_state)
         if gated:  # one scalar tells both: the loss where the update applied, NaN where not
@@ -206,6 +214,26 @@ def place_spmd_batch(
     return even_tree, rest_tree, rows
 
 
+def step_program(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    has_aux: bool,
+    targets: Targets,
+    spmd: bool,
+    layout: Any,
+    accumulate: int,
+    precision: str,
+    guard: bool,
+) -> Any:
+    """A trainer's step: one SPMD program over ``targets``' devices (``spmd_step``), or the
+    gather-update-copy loop over contexts that share a device or mix kinds (``LoopStep``)."""
+    if spmd:
+        return spmd_step(
+            loss_fn, optimizer, has_aux, targets.devices, False, accumulate, precision, layout, guard
+        )
+    return LoopStep(loss_fn, optimizer, has_aux, targets, accumulate, precision, guard)
+
+
 class LoopStep:
     """The gather-update-copy loop over contexts that share a device or mix kinds: each
     context's gradient of its part, gathered on the first context, weighted by rows; the update
@@ -220,6 +248,7 @@ class LoopStep:
         targets: Targets,
         accumulate: int = 1,
         precision: str = "fp32",
+        guard: bool = True,
     ):
         self.targets = targets
         grad = batch_gradient(in_precision(loss_fn, precision), has_aux, accumulate, 1)
@@ -229,7 +258,7 @@ class LoopStep:
             loss, grad = _weighted(weights, losses), _weighted(weights, grads)
             aux = None if auxes[0] is None else _weighted(weights, auxes)
             scale = next_scale(scale, loss, grad)
-            params, opt_state, ok = update(optimizer, params, opt_state, loss, grad)
+            params, opt_state, ok = update(optimizer, params, opt_state, loss, grad, guard=guard)
             return StepOut(params, opt_state, loss, ok, aux, scale)
 
         self.combine = jax.jit(combine, donate_argnums=(0, 1))

@@ -22,12 +22,12 @@ from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer
 from ._feed import Feed
 from ._history import History
 from ._initial import initial, made
-from ._loop import Fit, check_on_nan, not_finite, reads_late
+from ._loop import UNGUARDED, Fit, check_on_nan, not_finite, reads_late
 from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
 from ._plan import plan
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
 from ._shard import Placement, shape_of
-from ._step import LoopStep, StepOut, place_parts, place_spmd_batch, replicas_of, speeds, spmd_step
+from ._step import StepOut, place_parts, place_spmd_batch, replicas_of, speeds, step_program
 
 _WHERE = "Trainer"
 
@@ -63,7 +63,12 @@ class Trainer(Checkpointing):
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       on_nan: ``"raise"`` (default): a step whose loss or gradient is not finite is not
         applied, and the fit stops with an error naming it; ``"skip"``: that update is skipped
-        and the fit goes on (at its end a ``StepsSkipped`` warning says how many).
+        and the fit goes on (at its end a ``StepsSkipped`` warning says how many); ``"apply"``:
+        the step has no guard (no conditional in the program: what a hand-written step costs,
+        measured 8-15 % less per step on simulated CPU devices), every update is applied, and
+        the fit stops with an error at a non-finite loss, the state then holding that update
+        (a NaN gradient behind a finite loss goes unseen). With ``precision="fp16"`` the guard
+        stays: the loss scale skips the steps that overflow.
       seed: the seed of the data order (arrays mgkit batches are shuffled by (seed, epoch)).
       balance: None (parts of equal rows) or ``"measured"`` (the gather-update-copy loop only:
         parts in proportion to each context's measured speed, as ``mg.parallel`` does).
@@ -122,7 +127,7 @@ class Trainer(Checkpointing):
     ):
         check_loss_fn(loss_fn, _WHERE)
         check_optimizer(optimizer, _WHERE)
-        check_on_nan(on_nan, _WHERE)
+        check_on_nan(on_nan, _WHERE, unguarded=True)
         if balance not in (None, "measured"):
             raise ValueError(f"{_WHERE}: balance={balance!r}; use None (equal parts) or 'measured'")
         start = initial(params, _WHERE)
@@ -298,18 +303,12 @@ class Trainer(Checkpointing):
 
     def _built(self, accumulate: int, precision: str) -> Any:
         """The step for ``accumulate`` microbatches in ``precision``, built once per pair."""
-        program = self._programs.get((accumulate, precision))
-        if program is None:
-            args = (self._loss, self.optimizer, self.has_aux)
-            if self.spmd:
-                devices = self.targets.devices
-                program = spmd_step(
-                    *args, devices, accumulate=accumulate, precision=precision, layout=self._layout
-                )
-            else:
-                program = LoopStep(*args, self.targets, accumulate=accumulate, precision=precision)
-            self._programs[(accumulate, precision)] = program
-        return program
+        key = (accumulate, precision)
+        if key not in self._programs:
+            guard = self.on_nan != UNGUARDED or precision == "fp16"  # fp16: the scale skips overflows
+            args = (self._loss, self.optimizer, self.has_aux, self.targets, self.spmd, self._layout)
+            self._programs[key] = step_program(*args, accumulate, precision, guard)
+        return self._programs[key]
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -525,8 +524,8 @@ class Trainer(Checkpointing):
             loss, ok = float(out.loss), bool(out.ok)
             overflow = out.scale is not None and bool(out.scale.overflow)
             fit.read(step, loss, ok, rows, overflow)
-            if not ok and not overflow and self.on_nan == "raise":
-                kept = f"the fit stopped at step {self._step}"
+            if not ok and not overflow and self.on_nan != "skip":
+                kept = UNGUARDED if self.on_nan == UNGUARDED else f"the fit stopped at step {self._step}"
                 raise not_finite(fit.where, step, loss, kept, "pass on_nan='skip' to skip such steps")
 
         fit.steps(take, dispatch, read, reads_late(self.targets.devices))
