@@ -7,6 +7,7 @@
 'dev1'
 """
 
+from . import cluster as cluster
 from . import launching as launching
 from . import logreg as logreg
 from . import train as train
@@ -49,6 +50,7 @@ from ._transfer import where as where
 from ._version import __version__ as __version__
 from ._watchdog import StallWarning as StallWarning
 from ._watchdog import watchdog as watchdog
+from .cluster import Cluster as Cluster
 from .launching import CoresWarning as CoresWarning
 from .launching import LaunchError as LaunchError
 from .launching import LaunchResult as LaunchResult
@@ -65,6 +67,7 @@ from .train import fits as fits
 
 __all__ = [
     "AnnotationWarning",
+    "Cluster",
     "ContextError",
     "ContextMap",
     "CoresWarning",

@@ -1,5 +1,6 @@
 """IPython magics: ``%mgkit`` (devices, contexts, simulate, dashboard, ledger, help), ``%%on``,
-``%%mgkit_peak`` and ``%%mgkit_profile``. Loaded with ``%load_ext mgkit``; ``import mgkit`` alone
+``%%mgkit_all`` (a cell on every rank of a cluster), ``%%mgkit_peak`` and ``%%mgkit_profile``.
+Loaded with ``%load_ext mgkit``; ``import mgkit`` alone
 never imports IPython.
 
 Arguments are split like a shell command line (``shlex``) and checked strictly: misuse raises
@@ -197,7 +198,7 @@ def _mapped_devices() -> dict[str, jax.Device]:
 
 @magics_class
 class MgkitMagics(Magics):
-    """``%mgkit``, ``%%on``, ``%%mgkit_peak`` and ``%%mgkit_profile``."""
+    """``%mgkit``, ``%%on``, ``%%mgkit_all``, ``%%mgkit_peak`` and ``%%mgkit_profile``."""
 
     @no_var_expand
     @line_magic
@@ -329,6 +330,32 @@ class MgkitMagics(Magics):
         __tracebackhide__ = True
         with scope:
             return self._run(cell, "%%on")
+
+    @no_var_expand
+    @cell_magic
+    def mgkit_all(self, line: str, cell: str) -> None:
+        """Runs the cell on every rank of the newest open ``mg.Cluster``, each in its own
+        namespace: names the cell defines stay in each rank for the next ``%%mgkit_all`` cell.
+
+        Usage::
+
+          %%mgkit_all
+
+        Each rank's output appears under the cell as it comes, prefixed ``[rank r@host]``; an
+        exception in a rank raises one ``mg.LaunchError`` naming every rank's fate.
+        """
+        if line.strip():
+            raise UsageError(f"%%mgkit_all takes no arguments, got {line.strip()!r}; usage: %%mgkit_all")
+        from .cluster import current as current_cluster
+
+        cluster = current_cluster()
+        if cluster is None:
+            raise UsageError(
+                "%%mgkit_all: no cluster is open; make one first, e.g. c = mg.Cluster(engines=2, "
+                "devices_per_engine=2), then run the cell again"
+            )
+        __tracebackhide__ = True
+        cluster.run_cell(cell)
 
     @no_var_expand
     @cell_magic

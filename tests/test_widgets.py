@@ -623,7 +623,10 @@ def test_missing_ipywidgets_is_an_actionable_error_only_for_widgets(monkeypatch)
     assert _watching(led) == 0  # nothing left behind
     assert "mgkit transfers: 0" in repr(mg.TransferView(ledger=led, widget=False))
     monkeypatch.setattr(_base, "in_kernel", lambda: True)  # in a notebook, a widget is wanted
-    with pytest.raises(ImportError, match=r"mg\.DeviceMap\(\) is shown as an ipywidgets widget"):
+    with pytest.raises(
+        ImportError,
+        match=r"mg\.DeviceMap\(\) is shown in notebooks as a widget, with ipywidgets, which is not installed",
+    ):
         mg.DeviceMap()
 
 

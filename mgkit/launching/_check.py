@@ -97,14 +97,15 @@ def unpicklable(value: Any, where: str) -> Unpicklable | None:
     return Unpicklable(part, _kind(bad), cause)
 
 
-def dumps(value: Any, where: str, fix: str) -> bytes:
-    """cloudpickle's bytes for ``value``; a SendError naming the part that cannot be sent."""
+def dumps(value: Any, where: str, fix: str, who: str = "mg.launch") -> bytes:
+    """cloudpickle's bytes for ``value``; a SendError naming the part that cannot be sent (and
+    ``who`` would send it)."""
     try:
         return _dumps(value)
     except Exception as exc:
         bad = unpicklable(value, where) or Unpicklable(where, _kind(value), exc)  # it failed only once
         raise SendError(
-            f"mg.launch cannot send {bad.part} (a {bad.kind}) to the ranks: {type(bad.error).__name__}: "
+            f"{who} cannot send {bad.part} (a {bad.kind}) to the ranks: {type(bad.error).__name__}: "
             f"{bad.error}. Each rank is a fresh process, so everything it needs is pickled (with "
             f"cloudpickle); locks, open files, generators, sockets and live devices' handles cannot be. {fix}"
         ) from exc

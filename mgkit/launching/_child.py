@@ -64,7 +64,7 @@ def _user_frames(tb):
     return tb
 
 
-def _initialize(config: dict) -> None:
+def initialize(config: dict) -> None:
     """Joins jax.distributed with the kernel's coordinator address and timeouts."""
     import inspect
 
@@ -132,7 +132,7 @@ def main(argv: list[str]) -> None:
         import jax
 
         if header["distributed"]:
-            _initialize(header["distributed"])
+            initialize(header["distributed"])
             # JAX's preemption notifier takes SIGTERM over; here it means what mg.launch means by it
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from .._devices import short_name

@@ -57,14 +57,16 @@ def _pool() -> tuple[str, list[str]]:
     as many as the kernel has or the machine has cores, whichever is more). GPUs are counted
     without starting JAX in the kernel when it has not started yet (starting it would take
     most of every GPU's memory away from the ranks)."""
-    gpus = _gpu_ids()
+    gpus = gpu_ids()
     if gpus:
         return "gpu", gpus
     n = max(len(jax.devices("cpu")) if backend_started() else 1, os.cpu_count() or 1)
     return "cpu", [f"cpu{i}" for i in range(n)]
 
 
-def _gpu_ids() -> list[str]:
+def gpu_ids() -> list[str]:
+    """The GPUs ranks can own, by CUDA id (none on a machine without them); JAX is not started
+    in the kernel to count them."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     listed = None if visible is None else [v.strip() for v in visible.split(",") if v.strip()]
     if backend_started():
@@ -192,7 +194,14 @@ def _env(
     return env
 
 
-def _check_env(env: Any) -> dict[str, str]:
+def check_env(
+    env: Any,
+    who: str = "mg.launch",
+    own: tuple[str, ...] = _OWN_ENV,
+    fix: str = "from devices_per_process; remove it and choose devices with nprocs and devices_per_process",
+) -> dict[str, str]:
+    """``env`` checked: a dict of strings to strings setting none of the variables ``who``
+    sets itself (``own``; ``fix`` says from what, and what to do instead)."""
     if env is None:
         return {}
     if not isinstance(env, dict) or not all(
@@ -203,12 +212,9 @@ def _check_env(env: Any) -> dict[str, str]:
             f"{_short(env)}; "
             "e.g. env={'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.4'}"
         )
-    own = sorted(set(env) & set(_OWN_ENV))
-    if own:
-        raise ValueError(
-            f"env sets {', '.join(own)}, which mg.launch sets itself for each rank from devices_per_process; "
-            "remove it and choose devices with nprocs and devices_per_process"
-        )
+    taken = sorted(set(env) & set(own))
+    if taken:
+        raise ValueError(f"env sets {', '.join(taken)}, which {who} sets itself for each rank {fix}")
     return env
 
 
@@ -238,7 +244,7 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def _coordinator(coordinator: Any, nprocs: int, timeouts: Any) -> dict:
+def coordinator_config(coordinator: Any, nprocs: int, timeouts: Any) -> dict:
     if nprocs < 2:
         raise ValueError(
             "distributed=True needs at least 2 processes (jax.distributed joins several processes), "
@@ -321,7 +327,7 @@ def plan(
             raise ValueError(f"stall_after must be above 0 seconds (or None to learn it), got {stall_after}")
     if on_stall not in ("raise", "warn"):
         raise ValueError(f"on_stall must be 'raise' or 'warn', got {_short(on_stall)}")
-    extra = _check_env(env)
+    extra = check_env(env)
     platform, groups, nprocs = _counts(nprocs, private, devices_per_process)
     if coordinator is not None and not distributed:
         raise ValueError(
@@ -329,7 +335,7 @@ def plan(
         )
     if timeouts is not None and not distributed:
         raise ValueError("timeouts= sets jax.distributed's timeouts: pass distributed=True too")
-    config = _coordinator(coordinator, nprocs, timeouts) if distributed else None
+    config = coordinator_config(coordinator, nprocs, timeouts) if distributed else None
     fix = "Create it inside the function instead, or pass what it is made from."
     fn_bytes = _check.dumps(fn, getattr(fn, "__qualname__", "fn"), fix)
     shared_bytes = _check.dumps(shared, "shared", fix)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from .. import _contexts
-from .._errors import ContextError
+from .._errors import ContextError, missing
 from .._ledger import Event, Ledger
 from .._table import html_table, text_table
 from ._live import (
@@ -39,10 +39,15 @@ def require_ipywidgets(where: str) -> Any:
     try:
         import ipywidgets
     except ImportError as e:
-        raise ImportError(
-            f"{where} is shown as an ipywidgets widget in notebooks, and ipywidgets is not installed. "
-            "Install it with `pip install 'ipywidgets>=8.1'` and restart the kernel; or pass "
-            "widget=False to get the text view (print(view)) and view.save_png(path) for a picture."
+        instead = (
+            "or pass widget=False to get the text view (print(view)) and view.save_png(path) for a picture."
+        )
+        raise missing(
+            where,
+            "is shown in notebooks as a widget, with",
+            "ipywidgets",
+            "pip install 'ipywidgets>=8.1'",
+            instead,
         ) from e
     return ipywidgets
 

@@ -1,0 +1,510 @@
+"""``mg.Cluster``: warm ranks on one or several hosts, driven from one notebook.
+
+Engines start once (ipyparallel's, behind ``_engines.Engines``); each chooses its devices and
+joins the cluster's ``jax.distributed`` group once (``_rank.setup``). Then ``c.run(fn, shared,
+private)`` keeps ``mg.launch``'s contract on those warm ranks, and ``%%mgkit_all`` runs a cell
+in every rank's own namespace. Output comes back under the cell as it arrives, prefixed with the
+rank; an exception in a rank is one ``mg.LaunchError`` naming every rank's fate; a rank that
+dies ends the call within seconds, the others stopped out of their collectives, and
+``c.restart()`` brings fresh engines and forms the group again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+
+from .._numbers import real, whole
+from .._table import html_table, text_table
+from ..launching import (
+    Failure,
+    LaunchError,
+    RankInfo,
+    check_env,
+    check_signature,
+    coordinator_config,
+    dumps,
+    gpu_ids,
+    launch_error,
+)
+from . import _rank
+from ._engines import LAUNCHERS, IPyParallel, Pending
+
+cloudpickle.register_pickle_by_value(_rank)  # engines must not import mgkit (and jax) to unpickle it
+
+_WHERE = "mg.Cluster"
+_OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "JAX_PLATFORMS", "MGKIT_RANK")
+POLL = 0.05  # seconds between two looks at the ranks while a call runs
+_CURRENT: list[Cluster] = []  # the cluster %%mgkit_all runs on: the newest one still open
+HEADERS = ("rank", "host", "pid", "devices", "state", "ready (s)", "calls")
+
+
+def current() -> Cluster | None:
+    """The newest cluster still open (the one ``%%mgkit_all`` runs on), or None."""
+    while _CURRENT and _CURRENT[-1].closed:
+        _CURRENT.pop()
+    return _CURRENT[-1] if _CURRENT else None
+
+
+class Cluster:
+    """Warm ranks, one per engine, each with its devices, in one ``jax.distributed`` group.
+
+    Args:
+      engines: how many engines (ranks) to start, 1 or more.
+      devices_per_engine: devices each rank owns: simulated CPU devices on a machine without
+        GPUs, else GPUs (``CUDA_VISIBLE_DEVICES`` per engine, by its place on its host).
+      launcher: ``"local"`` (processes on this machine, everything on 127.0.0.1), or ipyparallel's
+        ``"mpi"``, ``"slurm"``, ``"pbs"`` (engines started under an allocation or submitted as a
+        job; ``Cluster.script`` shows what would run).
+      distributed: join the ranks in one ``jax.distributed`` group (with 2 or more engines):
+        ``mg.context_map()`` inside the ranks then names every device of the cluster.
+      timeout: seconds to wait for the engines to start and join, at most.
+      timeouts: jax.distributed's timeouts in seconds (``heartbeat``, ``init``, ``shutdown``,
+        ``collectives``), as ``mg.launch`` takes them.
+      env: more environment variables for the engines (strings to strings).
+
+    >>> c = mg.Cluster(engines=2, devices_per_engine=2)   # doctest: +SKIP
+    >>> c.run(lambda rank, shared, private: rank)          # doctest: +SKIP
+    [0, 1]
+    """
+
+    def __init__(
+        self,
+        engines: int = 2,
+        devices_per_engine: int = 1,
+        launcher: str = "local",
+        *,
+        distributed: bool = True,
+        timeout: float = 120.0,
+        timeouts: dict | None = None,
+        env: dict[str, str] | None = None,
+        _file: str | None = None,
+    ):
+        self.engines = whole(engines, "engines", _WHERE, lo=1, example=2, note="ranks to start")
+        self.devices_per_engine = whole(
+            devices_per_engine, "devices_per_engine", _WHERE, lo=1, example=2, note="devices each rank owns"
+        )
+        if launcher not in LAUNCHERS:
+            raise ValueError(
+                f"{_WHERE}: launcher={launcher!r} is not one mgkit knows; use one of "
+                f"{', '.join(map(repr, LAUNCHERS))} (ipyparallel's launchers), or connect to a running "
+                "ipcluster with mg.Cluster.connect('ipcontroller-client.json')"
+            )
+        if not isinstance(distributed, bool):
+            raise TypeError(f"{_WHERE}: distributed must be True or False, got {distributed!r}")
+        self.launcher, self.distributed = launcher, distributed
+        self.timeout = real(timeout, "timeout", _WHERE, lo=0, above=True, example=120, note="seconds")
+        self._timeouts = timeouts
+        self._env = check_env(env, _WHERE, _OWN_ENV, "from devices_per_engine; remove it")
+        self._file = _file
+        self.closed = False
+        self.lost: str | None = None  # why the cluster can run nothing until c.restart()
+        self.ranks: tuple[RankInfo, ...] = ()
+        self.hosts: tuple[str, ...] = ()
+        self.calls = 0
+        self.start_seconds = 0.0
+        self._engines: IPyParallel | None = None
+        self._start()
+        _CURRENT.append(self)
+
+    @classmethod
+    def connect(
+        cls,
+        connection_file: str | os.PathLike,
+        devices_per_engine: int = 1,
+        *,
+        distributed: bool = True,
+        timeout: float = 60.0,
+    ) -> Cluster:
+        """A cluster on an ipcluster someone already started: ``connection_file`` is its client
+        connection file (``ipcontroller-client.json``). Its engines are set up as a started
+        cluster's are; ``close()`` disconnects and leaves them running."""
+        path = os.fspath(connection_file) if isinstance(connection_file, str | os.PathLike) else None
+        if path is None:
+            raise TypeError(
+                f"mg.Cluster.connect: connection_file must be a path, got {type(connection_file).__name__} "
+                f"{connection_file!r}; e.g. '~/.ipython/profile_default/security/ipcontroller-client.json'"
+            )
+        path = os.path.expanduser(path)
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            why = "does not exist" if not os.path.exists(path) else "cannot be read"
+            raise FileNotFoundError(
+                f"mg.Cluster.connect({connection_file!r}): the connection file {why}; it is written by "
+                "`ipcluster start` in the profile's security folder (ipcontroller-client.json)"
+            )
+        return cls(1, devices_per_engine, distributed=distributed, timeout=timeout, _file=path)
+
+    # -- starting --------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        t0 = time.perf_counter()
+        self.ranks, self.hosts = (), ()
+        engines = IPyParallel(
+            None if self._file else self.engines, self.launcher, {**self._env, **_engine_env()}, self._file
+        )
+        try:
+            n = engines.start(self.timeout)
+            self._engines = engines
+            if self._file is not None:
+                self.engines = n
+            self._protect()
+            self._setup()
+        except BaseException as exc:
+            engines.stop()
+            self._engines = None
+            if isinstance(exc, LaunchError | KeyboardInterrupt):
+                raise
+            raise RuntimeError(
+                f"{_WHERE}: the {self.launcher} engines did not start: {type(exc).__name__}: {exc}. "
+                f"Nothing was left running; check the launcher's settings, or raise timeout= "
+                f"(now {self.timeout:g} s)"
+            ) from exc
+        self.start_seconds = time.perf_counter() - t0
+
+    def _protect(self) -> None:
+        """The connection files readable by their owner only."""
+        path = self._engines.connection_file if self._engines is not None else None
+        if path and self._file is None:
+            folder = os.path.dirname(path)
+            for name in os.listdir(folder):
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(folder, name), 0o600)
+
+    def _setup(self) -> None:
+        """Each engine's devices, then the jax.distributed group, once."""
+        n = self.engines
+        infos = self._wait(self._engines.apply(_rank.info, [()] * n, wrapped=False), "start", quiet=True)
+        hosts = [i["host"] for i in infos]
+        if any(i["jax"] for i in infos):
+            raise RuntimeError(
+                f"{_WHERE}: jax is already imported in some engines, so their devices cannot be chosen "
+                "any more; restart those engines (ipcluster stop/start) or start a cluster with mg.Cluster"
+            )
+        groups = _device_groups(hosts, self.devices_per_engine, _platform())
+        config = None
+        if self.distributed and n > 1:
+            port = self._wait(self._engines.apply(_rank.free_port, [()] * n, wrapped=False), "start", True)[0]
+            host = "127.0.0.1" if self.launcher == "local" and self._file is None else hosts[0]
+            config = coordinator_config(f"{host}:{port}", n, self._timeouts)
+        per_rank = [
+            (
+                {
+                    "rank": r,
+                    "ranks": n,
+                    "platform": groups[r][0],
+                    "devices": groups[r][1],
+                    "distributed": config,
+                    "collectives": None if config is None else config["collectives"],
+                    "sys_path": [p for p in sys.path if p],
+                },
+            )
+            for r in range(n)
+        ]
+        ready = self._wait(self._engines.apply(_rank.setup, per_rank, wrapped=False), "start", quiet=True)
+        self.hosts = tuple(hosts)
+        self.ranks = tuple(
+            RankInfo(r, i["pid"], tuple(i["devices"]), "ready", ready_seconds=i["ready"], started=time.time())
+            for r, i in enumerate(ready)
+        )
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _check_usable(self, where: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"{where}: the cluster is closed; make a new one with mg.Cluster(...)")
+        if self.lost is not None:
+            raise RuntimeError(f"{where}: {self.lost}; call c.restart() for fresh engines, then run again")
+
+    def run(self, fn: Callable, shared: Any = None, private: Sequence[Any] | None = None) -> list:
+        """Runs ``fn(rank, shared, private[rank])`` on every warm rank (``mg.launch``'s contract);
+        returns each rank's value, in rank order. Output appears as it comes, prefixed
+        ``[rank r@host]``; an exception in a rank raises one ``mg.LaunchError``."""
+        self._check_usable("Cluster.run")
+        check_signature(fn, "Cluster.run")
+        if private is not None and (not isinstance(private, list | tuple) or len(private) != self.engines):
+            raise ValueError(
+                f"Cluster.run: private must be a list with one entry per rank ({self.engines}), got "
+                f"{type(private).__name__} {private!r:.60}; private[i] goes to rank i"
+            )
+        fix = "Create it inside the function instead, or pass what it is made from."
+        name = getattr(fn, "__qualname__", "fn")
+        fn_bytes = dumps(fn, name, fix, "Cluster.run")
+        shared_bytes = dumps(shared, "shared", fix, "Cluster.run")
+        per_rank = [
+            (fn_bytes, shared_bytes, dumps(None if private is None else private[r], f"private[{r}]", fix))
+            for r in range(self.engines)
+        ]
+        values = self._wait(self._engines.apply(_rank.call, per_rank), "run")
+        return [cloudpickle.loads(v) for v in values]
+
+    def run_cell(self, code: str) -> None:
+        """Runs ``code`` in every rank's own namespace (``%%mgkit_all``): names it defines stay
+        for the next cell. Output as ``run``'s; an exception raises one ``mg.LaunchError``."""
+        self._check_usable("%%mgkit_all")
+        if not isinstance(code, str):
+            raise TypeError(f"Cluster.run_cell: code must be a str, got {type(code).__name__}")
+        self._wait(self._engines.execute(code), "run")
+
+    def compilations(self) -> list[int]:
+        """Each rank's XLA compilations so far (counted from the first time asked)."""
+        self._check_usable("Cluster.compilations")
+        return self._wait(self._engines.apply(_rank.compilations, [()] * self.engines, wrapped=False), "run")
+
+    def _wait(self, pending: Pending, during: str, quiet: bool = False) -> list:
+        """Waits for every rank, printing their output as it comes; the values, in rank order.
+        A rank that raised ends it in one LaunchError (after the others finish); a rank whose
+        process is gone ends it at once, the others stopped; Ctrl-C interrupts every rank."""
+        shown = [0] * self.engines
+        self.calls += during == "run"
+        for info in self.ranks:
+            info.state = "running"
+        try:
+            while not all(pending.done()):
+                if not quiet:
+                    self._show(pending, shown)
+                gone = self._gone()
+                if gone is not None:
+                    self._lose(gone, pending, shown)
+                time.sleep(POLL)
+        except KeyboardInterrupt:
+            self._interrupt(pending)
+            raise
+        if not quiet:
+            self._show(pending, shown, final=True)
+        outcomes = [pending.result(r) for r in range(self.engines)]
+        return self._outcome(outcomes, pending)
+
+    def _show(self, pending: Pending, shown: list[int], final: bool = False) -> None:
+        for r, text in enumerate(pending.output()):
+            new = text[shown[r] :]
+            if not final:
+                new = new[: new.rfind("\n") + 1]  # whole lines while it runs
+            if new:
+                shown[r] += len(new)
+                host = self.hosts[r] if r < len(self.hosts) else "?"
+                for line in new.splitlines():
+                    print(f"[rank {r}@{host}] {line}", flush=True)
+                    if r < len(self.ranks):
+                        self.ranks[r].tail.append(line)
+
+    def _gone(self) -> tuple[int, str] | None:
+        """A rank whose process is gone (this machine's engines), with how it ended."""
+        if self.launcher != "local" or self._file is not None:
+            return None
+        import psutil
+
+        for info in self.ranks:
+            try:
+                proc = psutil.Process(info.pid)
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return info.rank, _how_it_ended(self._engines, info.pid)
+        return None
+
+    def _lose(self, gone: tuple[int, str], pending: Pending, shown: list[int]) -> None:
+        """A rank died: the others are stopped out of their collectives, the cluster marked lost,
+        and one LaunchError raised."""
+        rank, how = gone
+        self._show(pending, shown, final=True)
+        done = pending.done()
+        for info in self.ranks:
+            if info.rank == rank:
+                info.state, info.reason = "lost", f"died ({how})"
+            elif not done[info.rank]:
+                info.state, info.reason = "stopped", "stopped: a peer died (its collectives could not finish)"
+        self._kill_engines()
+        self.lost = f"rank {rank} ({self.hosts[rank]}, pid {self.ranks[rank].pid}) died ({how})"
+        head = f"{self.lost}; the other ranks were stopped, and the cluster needs c.restart()"
+        raise launch_error(head, Failure("signal", f"died ({how})"), self.ranks, rank, [None] * self.engines)
+
+    def _outcome(self, outcomes: list[tuple[str, Any]], pending: Pending) -> list:
+        failed = [r for r, (kind, _) in enumerate(outcomes) if kind != "ok"]
+        for r, (kind, _) in enumerate(outcomes):
+            if r < len(self.ranks):
+                self.ranks[r].state = "ready" if kind == "ok" else "raised" if kind == "error" else kind
+        if not failed:
+            return [value for _, value in outcomes]
+        root = failed[0]
+        kind, facts = outcomes[root]
+        host = self.hosts[root] if root < len(self.hosts) else "?"
+        pid = self.ranks[root].pid if root < len(self.ranks) else "?"
+        if kind == "unsendable":
+            head = (
+                f"rank {root} ({host}, pid {pid}) returned a {facts['type']}, which cannot be sent back "
+                f"({facts['error']}); return plain data or numpy arrays"
+            )
+            failure = Failure("unsendable", head)
+        else:
+            head = f"rank {root} ({host}, pid {pid}) raised {facts['type']}: {facts['message']}"
+            exception = None
+            if facts.get("exception"):
+                with contextlib.suppress(Exception):
+                    exception = cloudpickle.loads(facts["exception"])
+            failure = Failure("raised", head, facts["type"], facts["traceback"], exception)
+        for r in failed[1:]:
+            other = outcomes[r][1]
+            self.ranks[r].reason = f"raised {other.get('type', '?')}: {other.get('message', '')}"
+        results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
+        raise launch_error(head + " (the cluster stays warm)", failure, self.ranks, root, results)
+
+    def _interrupt(self, pending: Pending) -> None:
+        """Ctrl-C: SIGINT to every rank still running, and a short wait for them."""
+        running = [r for r, d in enumerate(pending.done()) if not d]
+        self._engines.signal(running, signal.SIGINT)
+        deadline = time.monotonic() + 2.0
+        while not all(pending.done()) and time.monotonic() < deadline:
+            time.sleep(POLL)
+        for info in self.ranks:
+            info.state = "ready" if info.state == "running" else info.state
+
+    def _kill_engines(self) -> None:
+        import psutil
+
+        for info in self.ranks:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(info.pid).kill()
+
+    # -- life -----------------------------------------------------------------------------------
+
+    def restart(self) -> Cluster:
+        """Fresh engines (the same count, devices and launcher) and the jax.distributed group
+        formed again; names defined by cells are gone. Returns the cluster."""
+        if self.closed:
+            raise RuntimeError("Cluster.restart: the cluster is closed; make a new one with mg.Cluster(...)")
+        if self._file is not None:
+            raise RuntimeError(
+                "Cluster.restart: this cluster is connected to an ipcluster it did not start; restart "
+                "that one (ipcluster stop / start), then mg.Cluster.connect(...) again"
+            )
+        self._stop()
+        self.lost = None
+        self._start()
+        return self
+
+    def _stop(self) -> None:
+        if self._engines is not None:
+            if self._file is None:
+                self._kill_engines() if self.lost else None
+            self._engines.stop()
+            self._engines = None
+
+    def close(self) -> None:
+        """Stops the engines and the controller it started (a connected cluster: disconnects);
+        nothing is left running."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- showing ------------------------------------------------------------------------------
+
+    def _rows(self) -> list[tuple]:
+        return [
+            (
+                r.rank,
+                self.hosts[r.rank] if r.rank < len(self.hosts) else "?",
+                r.pid,
+                ",".join(r.devices),
+                r.state if not self.closed else "closed",
+                "" if r.ready_seconds is None else round(r.ready_seconds, 2),
+                self.calls,
+            )
+            for r in self.ranks
+        ]
+
+    def _title(self) -> str:
+        state = "closed" if self.closed else self.lost or "warm"
+        group = "one jax.distributed group" if self.distributed and self.engines > 1 else "no jax.distributed"
+        return (
+            f"mgkit cluster: {self.engines} rank(s) x {self.devices_per_engine} device(s), {self.launcher} "
+            f"launcher, {group}; {state}; started in {self.start_seconds:.1f} s"
+        )
+
+    def __repr__(self) -> str:
+        return text_table(HEADERS, self._rows(), self._title())
+
+    def _repr_html_(self) -> str:
+        return html_table(HEADERS, self._rows(), self._title())
+
+    # -- batch systems ------------------------------------------------------------------------
+
+    @staticmethod
+    def script(engines: int, launcher: str, devices_per_engine: int = 1) -> str:
+        """What ipyparallel would run (``mpi``: the mpiexec command) or submit (``slurm``,
+        ``pbs``: the batch script) to start ``engines`` engines, for checking before a real
+        allocation. Each engine chooses its ``devices_per_engine`` devices when the cluster
+        sets it up (``CUDA_VISIBLE_DEVICES`` by its place on its host)."""
+        from ._engines import launcher_script
+
+        n = whole(engines, "engines", "Cluster.script", lo=1, example=16)
+        whole(devices_per_engine, "devices_per_engine", "Cluster.script", lo=1, example=1)
+        if launcher not in LAUNCHERS or launcher == "local":
+            raise ValueError(
+                f"Cluster.script: launcher={launcher!r}; scripts are for 'mpi', 'slurm' or 'pbs' "
+                "(the local launcher runs processes on this machine)"
+            )
+        return launcher_script(n, launcher)
+
+
+def _engine_env() -> dict[str, str]:
+    """What every engine needs to import this mgkit (and nothing that picks its devices)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _platform() -> str:
+    """ "gpu" where this machine has GPUs for the engines, else "cpu" (simulated devices)."""
+    return "gpu" if gpu_ids() else "cpu"
+
+
+def _device_groups(hosts: Sequence[str], per: int, platform: str) -> list[tuple[str, Any]]:
+    """Per rank: ("cpu", how many simulated devices) or ("gpu", its CUDA ids by its place on
+    its host: the k-th engine of a host takes ids k*per .. k*per + per - 1)."""
+    if platform == "cpu":
+        return [("cpu", per)] * len(hosts)
+    seen: dict[str, int] = {}
+    out = []
+    for host in hosts:
+        k = seen.get(host, 0)
+        seen[host] = k + 1
+        out.append(("gpu", [str(i) for i in range(k * per, (k + 1) * per)]))
+    return out
+
+
+def _how_it_ended(engines: Any, pid: int) -> str:
+    """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``."""
+    cluster = getattr(engines, "cluster", None)
+    for engine_set in getattr(cluster, "engines", {}).values():
+        for child in getattr(engine_set, "launchers", {}).values():
+            process = getattr(child, "process", None)
+            if process is not None and process.pid == pid:
+                code = (getattr(child, "stop_data", None) or {}).get("exit_code")
+                if code is None:  # not reaped by the launcher yet: reap it here (our child)
+                    with contextlib.suppress(Exception):
+                        code = process.wait(timeout=0.5)
+                if code is not None and int(code) < 0:
+                    with contextlib.suppress(ValueError):
+                        return f"signal {signal.Signals(-int(code)).name}"
+                if code is not None:
+                    return f"exit code {int(code)}"
+    return "exited"

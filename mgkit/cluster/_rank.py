@@ -1,0 +1,136 @@
+"""What runs inside an engine: its setup (devices, ``jax.distributed``) once per cluster, and each
+call of ``Cluster.run`` with its errors caught and described for the kernel.
+
+These functions travel to the engines by value (``cloudpickle.register_pickle_by_value``): an
+engine that unpickled them by name would import mgkit, and with it jax, before ``setup`` has
+chosen its devices. What a rank keeps between calls lives in a module of the engine's own
+(``state()``), not in these functions' globals, which travel with them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+import types
+from typing import Any
+
+STATE_MODULE = "_mgkit_rank_state"
+
+
+def state() -> dict:
+    """This engine's rank, devices and counters, kept across calls."""
+    module = sys.modules.get(STATE_MODULE)
+    if module is None:
+        module = sys.modules[STATE_MODULE] = types.ModuleType(STATE_MODULE)
+        module.values = {}
+    return module.values
+
+
+def setup(config: dict) -> dict:
+    """Chooses this engine's devices and joins the cluster's ``jax.distributed`` group (once per
+    engine: a second call with the same config only says where it stands).
+
+    ``config``: ``rank``, ``ranks``, ``platform`` (``cpu``: ``devices`` simulated CPU devices;
+    ``gpu``: the CUDA ids ``devices``), ``distributed`` (launching's coordinator config, or None),
+    ``collectives`` (seconds, the CPU collectives' timeout) and ``sys_path``."""
+    kept = state()
+    if kept:
+        return info()
+    sys.path[:0] = [p for p in config["sys_path"] if p not in sys.path]
+    if "jax" in sys.modules:
+        raise RuntimeError(
+            "jax was imported in this engine before mgkit set its devices up; start the cluster with "
+            "mg.Cluster (its engines import nothing first), or c.restart() for fresh engines"
+        )
+    env = os.environ
+    env["MGKIT_RANK"], env["MGKIT_NPROCS"] = str(config["rank"]), str(config["ranks"])
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
+    if config["distributed"] is not None:
+        flags.append(f"--xla_cpu_collective_timeout_seconds={config['collectives']}")
+    if config["platform"] == "gpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(config["devices"])
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["JAX_NUM_CPU_DEVICES"] = env["MGKIT_SIMULATE"] = str(config["devices"])
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    t0 = time.perf_counter()
+    import jax
+
+    from mgkit._devices import short_name
+    from mgkit.launching import initialize_distributed
+
+    if config["distributed"] is not None:
+        initialize_distributed({**config["distributed"], "process_id": config["rank"]})
+    kept.update(rank=config["rank"], ranks=config["ranks"], ready=time.perf_counter() - t0)
+    kept["devices"] = tuple(short_name(d) for d in jax.local_devices())
+    return info()
+
+
+def info() -> dict:
+    """This engine's rank, host, pid and devices."""
+    kept = state()
+    return {
+        "rank": kept.get("rank"),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "devices": kept.get("devices", ()),
+        "ready": kept.get("ready"),
+        "jax": "jax" in sys.modules,
+    }
+
+
+def call(fn_bytes: bytes, shared_bytes: bytes, private_bytes: bytes) -> tuple:
+    """Runs ``fn(rank, shared, private)`` here: ("ok", pickled value) or ("error", facts)."""
+    import cloudpickle
+
+    try:
+        fn = cloudpickle.loads(fn_bytes)
+        value = fn(state()["rank"], cloudpickle.loads(shared_bytes), cloudpickle.loads(private_bytes))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel, described
+        return "error", describe(exc)
+    try:
+        return "ok", cloudpickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001
+        return "unsendable", {"type": type(value).__qualname__, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def describe(exc: BaseException) -> dict:
+    """An exception as the kernel reports it: type, message, traceback text and the exception
+    itself where it pickles."""
+    import cloudpickle
+
+    try:
+        blob = cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - described by text only
+        blob = None
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {"type": type(exc).__name__, "message": str(exc), "traceback": text, "exception": blob}
+
+
+def compilations() -> int:
+    """How many XLA compilations this engine has done (counted from the first call on)."""
+    kept = state()
+    if "compilations" not in kept:
+        import jax.monitoring
+
+        kept["compilations"] = 0
+
+        def heard(event: str, duration: float, **kwargs: Any) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                kept["compilations"] += 1
+
+        jax.monitoring.register_event_duration_secs_listener(heard)
+    return kept["compilations"]
+
+
+def free_port() -> int:
+    """A free TCP port on this engine's host (rank 0 hosts the coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,274 @@
+"""mg.Cluster on ipyparallel with local engines (everything on 127.0.0.1): warm ranks in one
+jax.distributed group, %%mgkit_all cells whose names persist per rank, the same answer as one
+process, errors and a killed rank as one LaunchError, restart, close with nothing left behind,
+loopback only, and the bad input."""
+
+import ipaddress
+import os
+import signal
+import stat
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import psutil
+import pytest
+
+import mgkit as mg
+from tests.conftest import ipython_shell
+
+pytest.importorskip("ipyparallel")
+pytestmark = pytest.mark.slow
+
+_DATA_CODE = """
+import numpy as np, optax, jax.numpy as jnp, mgkit as mg
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 8)).astype(np.float32)
+y = (x[:, 0] - x[:, 3] > 0).astype(np.float32)
+data = {"x": x, "y": y}
+def loss(p, b):
+    return optax.sigmoid_binary_cross_entropy(b["x"] @ p["w"] + p["b"], b["y"]).mean()
+"""
+
+
+def _ours() -> set[int]:
+    """Processes of the cluster machinery this test process started (controller, engines)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "ipyparallel" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, a dual-stack socket's view
+    return (mapped or address).is_loopback
+
+
+@pytest.fixture
+def shell():
+    with ipython_shell() as ip:
+        ip.run_line_magic("load_ext", "mgkit")
+        yield ip
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    before = _ours()
+    c = mg.Cluster(engines=2, devices_per_engine=2)
+    try:
+        yield c
+    finally:
+        c.close()
+        deadline = time.monotonic() + 10
+        while _ours() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _ours() - before, "the cluster left processes behind"
+
+
+def test_a_cluster_of_warm_ranks_in_one_group(cluster, capsys):
+    assert [r.devices for r in cluster.ranks] == [("cpu0", "cpu1"), ("cpu2", "cpu3")]
+    text = repr(cluster)
+    assert "2 rank(s) x 2 device(s), local launcher, one jax.distributed group; warm" in text
+    for r in cluster.ranks:
+        assert f"{r.pid}" in text and psutil.pid_exists(r.pid)
+
+    def where(rank, shared, private):
+
+        import mgkit as mg
+
+        print(f"rank {rank} of {jax.process_count()} here")
+        return rank + shared, private, str(mg.context_map()), jax.device_count()
+
+    capsys.readouterr()
+    values = cluster.run(where, shared=10, private=["a", "b"])
+    everyone = "dev0->cpu0;dev1->cpu1;dev2->cpu2;dev3->cpu3"
+    assert values == [(10, "a", everyone, 4), (11, "b", everyone, 4)]
+    out = capsys.readouterr().out
+    assert "[rank 0@" in out and "] rank 0 of 2 here" in out and "] rank 1 of 2 here" in out
+
+
+def test_cells_keep_their_names_per_rank_and_a_second_step_compiles_nothing(cluster, shell, capsys):
+    run = shell.run_cell_magic
+    run(
+        "mgkit_all",
+        "",
+        _DATA_CODE + "tr = mg.Trainer(loss, optax.adam(1e-2), {'w': jnp.zeros(8), 'b': jnp.zeros(())})",
+    )
+    t0 = time.perf_counter()
+    run("mgkit_all", "", "h = tr.fit(data, steps=1, batch_size=64, progress=False)")
+    first = time.perf_counter() - t0
+    compiled = cluster.compilations()
+    t0 = time.perf_counter()
+    run("mgkit_all", "", "h = tr.fit(data, steps=1, batch_size=64, progress=False)\nprint('step', tr.step)")
+    second = time.perf_counter() - t0
+    assert cluster.compilations() == compiled  # warm: nothing compiled again
+    assert second < 0.1 * first, (first, second)
+    out = capsys.readouterr().out
+    assert "] step 2" in out and out.count("] step 2") == 2
+
+
+def test_a_trainer_across_the_ranks_equals_one_process(cluster):
+    def train(rank, shared, private):
+        import jax.numpy as jnp
+        import numpy as np
+        import optax
+
+        import mgkit as mg
+
+        namespace = {}
+        exec(shared, namespace)  # the data and loss, as the cell defines them
+        out = []
+        for shard in (None, "fsdp"):
+            tr = mg.Trainer(
+                namespace["loss"], optax.adam(1e-2), {"w": jnp.zeros(8), "b": jnp.zeros(())}, shard=shard
+            )
+            out.append(np.asarray(tr.fit(namespace["data"], steps=5, batch_size=64, progress=False).loss))
+        return out
+
+    ranks = cluster.run(train, shared=_DATA_CODE)
+    mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(4)), verbose=False)
+    namespace = {}
+    exec(_DATA_CODE, namespace)
+    for k, shard in enumerate((None, "fsdp")):
+        tr = mg.Trainer(
+            namespace["loss"], optax.adam(1e-2), {"w": jnp.zeros(8), "b": jnp.zeros(())}, shard=shard
+        )
+        one = np.asarray(tr.fit(namespace["data"], steps=5, batch_size=64, progress=False).loss)
+        for losses in ranks:
+            np.testing.assert_allclose(losses[k], one, rtol=1e-5)
+
+
+def test_an_exception_in_one_rank_is_one_launch_error_and_the_cluster_stays_warm(cluster, shell):
+    code = "import os\nif int(os.environ['MGKIT_RANK']) == 1:\n    raise ValueError('bad row 7')\nok = True"
+    with pytest.raises(mg.LaunchError) as info:
+        cluster.run_cell(code)
+    err = info.value
+    assert err.rank == 1 and err.kind == "raised" and err.exception_type == "ValueError"
+    text = str(err)
+    assert "rank 1 (" in text and f"pid {cluster.ranks[1].pid}" in text and "bad row 7" in text
+    assert "raise ValueError('bad row 7')" in text  # the cell's own line in the traceback
+    assert "rank 0 (pid" in text  # every rank's fate
+
+    def fine(rank, shared, private):
+        return rank
+
+    assert cluster.run(fine) == [0, 1]
+
+
+def test_what_cannot_be_sent_is_named(cluster):
+    lock = threading.Lock()
+
+    def uses_a_lock(rank, shared, private):
+        return lock.locked()
+
+    with pytest.raises(TypeError, match=r"Cluster\.run cannot send .*lock"):
+        cluster.run(uses_a_lock)
+    with pytest.raises(TypeError, match=r"takes \(rank, shared, private\)|three positional"):
+        cluster.run(lambda: 1)
+    with pytest.raises(ValueError, match=r"one entry per rank \(2\)"):
+        cluster.run(lambda r, s, p: r, private=[1])
+
+
+def test_the_cluster_listens_on_loopback_only_and_its_files_are_private(cluster):
+    pids = _ours()
+    assert len(pids) >= 3  # the controller and two engines
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="inet"):
+            for address in (conn.laddr, conn.raddr):
+                if address:
+                    assert _loopback(address.ip), (pid, conn)  # listening or connected: loopback only
+    folder = os.path.dirname(cluster._engines.connection_file)
+    for name in os.listdir(folder):
+        mode = stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode)
+        assert mode & 0o077 == 0, (name, oct(mode))
+
+
+def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_cluster_back():
+    before = _ours()
+    c = mg.Cluster(engines=2, devices_per_engine=1)
+    try:
+
+        def spin(rank, shared, private):
+            import time
+
+            import jax
+            import jax.numpy as jnp
+
+            total = jax.jit(lambda a: a.sum())
+            while True:  # in a loop of steps, as training is
+                total(jnp.ones(4)).block_until_ready()
+                time.sleep(0.01)
+
+        victim = c.ranks[1].pid
+        threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(mg.LaunchError) as info:
+            c.run(spin)
+        assert time.monotonic() - t0 < 1.0 + 5.0
+        text = str(info.value)
+        assert "rank 1" in text and "SIGKILL" in text and "restart" in text
+        assert info.value.rank == 1 and info.value.kind == "signal"
+        with pytest.raises(RuntimeError, match=r"rank 1 .* died .*c\.restart\(\)"):
+            c.run(lambda r, s, p: r)
+        assert "died" in repr(c)
+        c.restart()
+        assert c.run(lambda r, s, p: r * 10) == [0, 10] and victim not in {r.pid for r in c.ranks}
+    finally:
+        c.close()
+    deadline = time.monotonic() + 10
+    while _ours() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _ours() - before
+    with pytest.raises(RuntimeError, match=r"the cluster is closed; make a new one"):
+        c.run(lambda r, s, p: r)
+    assert "closed" in repr(c)
+
+
+def test_bad_arguments_are_clear_and_start_nothing(tmp_path, shell, monkeypatch):
+    before = _ours()
+    for kwargs, error, words in (
+        ({"engines": 0}, ValueError, r"engines"),
+        ({"engines": 1.5}, TypeError, r"engines"),
+        ({"devices_per_engine": 0}, ValueError, r"devices_per_engine"),
+        ({"launcher": "ray"}, ValueError, r"launcher='ray'.*'local', 'mpi', 'slurm', 'pbs'"),
+        ({"env": {"CUDA_VISIBLE_DEVICES": "0"}}, ValueError, r"CUDA_VISIBLE_DEVICES"),
+        ({"env": {"A": 1}}, TypeError, r"env must be a dict of strings"),
+        ({"distributed": "yes"}, TypeError, r"distributed must be True or False"),
+    ):
+        with pytest.raises(error, match=words):
+            mg.Cluster(**kwargs)
+    with pytest.raises(FileNotFoundError, match=r"does not exist.*ipcontroller-client\.json"):
+        mg.Cluster.connect(tmp_path / "nope.json")
+    with pytest.raises(TypeError, match=r"connection_file must be a path"):
+        mg.Cluster.connect(3)
+    assert not _ours() - before
+    monkeypatch.setattr(mg.cluster, "current", lambda: None)  # no cluster open
+    result = shell.run_cell("%%mgkit_all\nx = 1\n")
+    assert "no cluster is open" in str(result.error_in_exec)
+    result = shell.run_cell("%%mgkit_all now\nx = 1\n")
+    assert "takes no arguments" in str(result.error_in_exec)
+
+
+@pytest.mark.parametrize(
+    ("launcher", "words"),
+    [
+        ("mpi", r"mpiexec -n 16 .*-m ipyparallel\.engine"),
+        ("slurm", r"#SBATCH --ntasks=16(.|\n)*srun .*-m ipyparallel\.engine"),
+        ("pbs", r"#PBS -t 1-16(.|\n)*-m ipyparallel\.engine"),
+    ],
+)
+def test_batch_launchers_scripts_are_generated_not_run(launcher, words):
+    before = _ours()
+    text = mg.Cluster.script(16, launcher, devices_per_engine=2)
+    assert __import__("re").search(words, text), text
+    assert not _ours() - before
+    with pytest.raises(ValueError, match=r"scripts are for 'mpi', 'slurm' or 'pbs'"):
+        mg.Cluster.script(2, "local")
