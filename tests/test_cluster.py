@@ -146,6 +146,30 @@ def test_a_trainer_across_the_ranks_equals_one_process(cluster):
             np.testing.assert_allclose(losses[k], one, rtol=1e-5)
 
 
+def test_pmap_and_a_data_parallel_logreg_across_the_ranks_equal_one_process(cluster):
+    # defined here, so it travels by value (the test module would set up 8 devices on import)
+    def _pmap_and_logreg(rank, shared, private):
+        import jax
+        import numpy as np
+
+        import mgkit as mg
+
+        x = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+        total = mg.pmap(lambda v: jax.lax.psum(v * v, "i"), out_axes=None)(x)
+        rng = np.random.default_rng(0)
+        X = rng.normal(size=(400, 5)).astype(np.float32)
+        y = (X[:, 0] - 0.5 * X[:, 2] > 0).astype(np.int32)
+        model = mg.logreg.fit(X, y, l2=1e-2)
+        return np.asarray(total.addressable_data(0)), np.asarray(model.w), np.asarray(model.b)
+
+    ranks = cluster.run(_pmap_and_logreg)
+    mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(4)), verbose=False)
+    one = _pmap_and_logreg(0, None, None)
+    for values in ranks:
+        for got, want in zip(values, one, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_an_exception_in_one_rank_is_one_launch_error_and_the_cluster_stays_warm(cluster, shell):
     code = "import os\nif int(os.environ['MGKIT_RANK']) == 1:\n    raise ValueError('bad row 7')\nok = True"
     with pytest.raises(mg.LaunchError) as info:
@@ -161,6 +185,20 @@ def test_an_exception_in_one_rank_is_one_launch_error_and_the_cluster_stays_warm
         return rank
 
     assert cluster.run(fine) == [0, 1]
+
+
+def test_ctrl_c_stops_the_cell_on_every_rank_and_the_cluster_stays_warm(cluster, capsys):
+    import _thread
+
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run_cell("import time\nfor i in range(3000):\n    time.sleep(0.01)")
+    assert time.monotonic() - t0 < 1.0 + 2.5
+    cluster.run_cell("print('stopped at', i)")  # the names the cell made so far are kept
+    out = capsys.readouterr().out
+    stops = [int(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "stopped at" in line]
+    assert len(stops) == 2 and all(0 < i < 2999 for i in stops), out
 
 
 def test_what_cannot_be_sent_is_named(cluster):
