@@ -3,14 +3,15 @@
 
 Usage::
 
-    python benchmarks/bench_cluster.py [--engines 2 4] [--devices 2] [--steps 1]
+    python benchmarks/bench_cluster.py [--engines 2 4] [--devices 2] [--steps 1] [--rounds 6]
 
 For each engine count: the time to start the cluster (engines up, devices chosen, one
 jax.distributed group formed); a cell that makes an ``mg.Trainer`` and runs ``--steps`` steps,
 then the same steps again in a later cell (start to result of each, the second's share of the
 first, and the compilations the second did, counted in every rank); ``mg.launch`` running the
-same steps in fresh processes (its peer: what every call costs without warm ranks); then a rank
-killed with SIGKILL in a running call: the seconds from the kill to the LaunchError in the
+same steps in fresh processes (its peer: what every call costs without warm ranks); 100 steps
+with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired); then
+a rank killed with SIGKILL in a running call: the seconds from the kill to the LaunchError in the
 kernel, and ``c.restart()``'s time. Timings are reported, never asserted; exit status 0.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", type=int, nargs="+", default=[2, 4], help="engine counts (default 2 4)")
     p.add_argument("--devices", type=int, default=2, help="simulated devices per engine (default 2)")
     p.add_argument("--steps", type=int, default=1, help="steps per cell (default 1)")
+    p.add_argument("--rounds", type=int, default=6, help="streaming on/off rounds (default 6)")
     args = p.parse_args(argv)
     fit = f"tr.fit(data, steps={args.steps}, batch_size=256, progress=False)"
     print(f"mgkit {mg.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cores")
@@ -73,6 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             c.run_cell(fit)
             second = time.perf_counter() - t0
             again = [b - a for a, b in zip(compiled, c.compilations(), strict=True)]
+            loop = "tr.fit(data, steps=100, batch_size=256, progress=False)"
+            timed: dict[bool, list[float]] = {True: [], False: []}
+            for k in range(args.rounds):  # streaming on and off in turn, ABBA
+                for on in (True, False) if k % 2 == 0 else (False, True):
+                    c.stream(on)
+                    t0 = time.perf_counter()
+                    c.run_cell(loop)
+                    timed[on].append(time.perf_counter() - t0)
+            c.stream(True)
+            ratios = sorted(a / b for a, b in zip(timed[True], timed[False], strict=True))
             t0 = time.perf_counter()
             mg.launch(
                 _launched,
@@ -108,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  mg.launch of the same steps in fresh processes: {launched:.2f} s "
             f"({launched / second:.0f}x the warm cell)"
+        )
+        print(
+            f"  100 steps with each rank's ledger streamed to the kernel, against without: median "
+            f"{statistics.median(timed[True]):.3f} s vs {statistics.median(timed[False]):.3f} s, "
+            "paired ratio "
+            f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}] over {args.rounds} rounds "
+            "(goal <= 1.03)"
         )
         print(f"  a rank killed (SIGKILL): the LaunchError {noticed:.2f} s later; restart() {restart:.1f} s")
     return 0

@@ -187,6 +187,38 @@ def test_an_exception_in_one_rank_is_one_launch_error_and_the_cluster_stays_warm
     assert cluster.run(fine) == [0, 1]
 
 
+def test_every_ranks_ledger_reaches_the_kernels_named_by_rank(cluster):
+    led = mg.ledger()
+    led.clear()
+    sent = list(cluster.streams.messages)
+    t0 = time.monotonic()
+    cluster.run_cell(
+        _DATA_CODE
+        + "tr = mg.Trainer(loss, optax.sgd(0.1), {'w': jnp.zeros(8), 'b': jnp.zeros(())})\n"
+        + "tr.fit(data, steps=30, batch_size=64, progress=False)\n"
+        + "a = mg.transfer(mg.put(np.ones(100), 'dev0'), 'dev1')"
+    )
+    seconds = time.monotonic() - t0
+    counts = {}
+    for e in led.records():
+        counts[(e.kind, e.src.split("/")[0])] = counts.get((e.kind, e.src.split("/")[0]), 0) + 1
+    for rank in ("r0", "r1"):  # every event of both ranks: 30 steps on 4 contexts, and the moves
+        assert counts[("step", rank)] == 120 and counts[("split", rank)] == 120, counts
+        assert counts[("collective", rank)] >= 30 and counts[("transfer", rank)] == 1, counts
+    assert cluster.streams.dropped == [0, 0]
+    sent = [b - a for a, b in zip(sent, cluster.streams.messages, strict=True)]
+    assert all(0 < m <= 10 * seconds + 2 for m in sent), (sent, seconds)  # at most 10 a second
+    text = mg.Dashboard(widget=False).text()
+    assert "r1/dev3" in text and "r0/dev0" in text  # the transfers and throughput panels
+    cluster.stream(False)
+    try:
+        before = len(led.records())
+        cluster.run_cell("a = mg.transfer(a, 'dev0')")
+        assert len(led.records()) == before  # nothing sent
+    finally:
+        cluster.stream(True)
+
+
 def test_ctrl_c_stops_the_cell_on_every_rank_and_the_cluster_stays_warm(cluster, capsys):
     import _thread
 

@@ -36,6 +36,7 @@ from ..launching import (
 )
 from . import _rank
 from ._engines import LAUNCHERS, IPyParallel, Pending
+from ._stream import BATCH, RATE, SIZE, Streams
 
 cloudpickle.register_pickle_by_value(_rank)  # engines must not import mgkit (and jax) to unpickle it
 
@@ -69,6 +70,10 @@ class Cluster:
       timeouts: jax.distributed's timeouts in seconds (``heartbeat``, ``init``, ``shutdown``,
         ``collectives``), as ``mg.launch`` takes them.
       env: more environment variables for the engines (strings to strings).
+      stream: each rank sends its ledger entries to the kernel's ledger in batches (at most 10
+        messages a second; a rank holds at most 100,000 entries meanwhile and counts more as
+        dropped, never waiting), its contexts named by rank (``r1/dev2``): the dashboard's
+        transfers and throughput panels show every rank. ``c.stream(False)`` stops it.
 
     >>> c = mg.Cluster(engines=2, devices_per_engine=2)   # doctest: +SKIP
     >>> c.run(lambda rank, shared, private: rank)          # doctest: +SKIP
@@ -85,6 +90,7 @@ class Cluster:
         timeout: float = 120.0,
         timeouts: dict | None = None,
         env: dict[str, str] | None = None,
+        stream: bool = True,
         _file: str | None = None,
     ):
         self.engines = whole(engines, "engines", _WHERE, lo=1, example=2, note="ranks to start")
@@ -99,6 +105,9 @@ class Cluster:
             )
         if not isinstance(distributed, bool):
             raise TypeError(f"{_WHERE}: distributed must be True or False, got {distributed!r}")
+        if not isinstance(stream, bool):
+            raise TypeError(f"{_WHERE}: stream must be True or False, got {stream!r}")
+        self.streaming = stream
         self.launcher, self.distributed = launcher, distributed
         self.timeout = real(timeout, "timeout", _WHERE, lo=0, above=True, example=120, note="seconds")
         self._timeouts = timeouts
@@ -209,6 +218,9 @@ class Cluster:
         ]
         ready = self._wait(self._engines.apply(_rank.setup, per_rank, wrapped=False), "start", quiet=True)
         self.hosts = tuple(hosts)
+        self.streams = Streams(self._engines, n)
+        if self.streaming:
+            self._streaming(True)
         self.ranks = tuple(
             RankInfo(r, i["pid"], tuple(i["devices"]), "ready", ready_seconds=i["ready"], started=time.time())
             for r, i in enumerate(ready)
@@ -262,6 +274,7 @@ class Cluster:
         A rank that raised ends it in one LaunchError (after the others finish); a rank whose
         process is gone ends it at once, the others stopped; Ctrl-C interrupts every rank."""
         shown = [0] * self.engines
+        streams = getattr(self, "streams", None) if during == "run" else None
         self.calls += during == "run"
         for info in self.ranks:
             info.state = "running"
@@ -269,6 +282,8 @@ class Cluster:
             while not all(pending.done()):
                 if not quiet:
                     self._show(pending, shown)
+                if streams is not None:
+                    streams.collect(pending)
                 gone = self._gone()
                 if gone is not None:
                     self._lose(gone, pending, shown)
@@ -278,8 +293,37 @@ class Cluster:
             raise
         if not quiet:
             self._show(pending, shown, final=True)
+        if streams is not None:
+            self._drain(streams, pending)
         outcomes = [pending.result(r) for r in range(self.engines)]
         return self._outcome(outcomes, pending)
+
+    def stream(self, on: bool = True) -> None:
+        """Starts (``True``) or stops sending each rank's ledger entries to the kernel's ledger."""
+        self._check_usable("Cluster.stream")
+        if not isinstance(on, bool):
+            raise TypeError(f"Cluster.stream: on must be True or False, got {on!r}")
+        self._streaming(on)
+        self.streaming = on
+
+    def _streaming(self, on: bool) -> None:
+        per_rank = [(on, RATE, SIZE, BATCH)] * self.engines
+        self._wait(self._engines.apply(_rank.stream, per_rank, wrapped=False), "start", quiet=True)
+
+    def _drain(self, streams: Streams, pending: Pending) -> None:
+        """What the ranks hold after a call, read at once; the call's late batches for a while."""
+        pending.settle(1.0)
+        streams.collect(pending)
+        if self.streaming:  # what the ranks still hold, after every batch they were publishing
+            rest = self._engines.apply(_rank.take, [(None,)] * self.engines, wrapped=False)
+            while not all(rest.done()) and self._gone() is None:
+                time.sleep(POLL / 5)
+            rest.settle(1.0)
+            streams.collect(pending, rest)
+            for rank in range(self.engines):
+                kind, value = rest.result(rank)
+                if kind == "ok":
+                    streams.record(rank, *value)
 
     def _show(self, pending: Pending, shown: list[int], final: bool = False) -> None:
         for r, text in enumerate(pending.output()):

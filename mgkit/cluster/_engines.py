@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,14 @@ class Pending(abc.ABC):
         """Per rank: everything it printed so far (stdout, then stderr)."""
 
     @abc.abstractmethod
+    def data(self, rank: int) -> dict:
+        """What the rank published while it ran (a dict of its messages, taken by the reader)."""
+
+    @abc.abstractmethod
+    def settle(self, timeout: float) -> None:
+        """Waits (at most ``timeout`` s) until everything the ranks sent before their replies is in."""
+
+    @abc.abstractmethod
     def result(self, rank: int) -> tuple[str, Any]:
         """A finished rank's ("ok", value) or ("error", facts: type, message, traceback, exception)."""
 
@@ -71,6 +80,12 @@ class Engines(abc.ABC):
         """Sends ``signum`` to these ranks' processes."""
 
     @abc.abstractmethod
+    def published(self, prefix: str, pending: Sequence[Pending] = ()) -> list[tuple[str, Any]]:
+        """(key, value) of every message the ranks published under a key starting with
+        ``prefix`` since the last look, taken: under ``pending``'s requests, or under any other
+        (a rank publishes under whatever request it last ran; the key says whose it is)."""
+
+    @abc.abstractmethod
     def stop(self) -> None:
         """Stops what it started (engines, controller) and disconnects."""
 
@@ -91,6 +106,14 @@ class _IppPending(Pending):
 
     def output(self) -> list[str]:
         return [(ar.stdout or "") + (ar.stderr or "") for ar in self.results]
+
+    def data(self, rank: int) -> dict:
+        return self.results[rank].data
+
+    def settle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for ar in self.results:  # the reply comes first; what was published before it, then idle
+            ar.wait_for_output(max(deadline - time.monotonic(), 0.0))
 
     def result(self, rank: int) -> tuple[str, Any]:
         try:
@@ -173,6 +196,21 @@ class IPyParallel(Engines):
         return _IppPending(
             [self._engine(r).execute(code, block=False, silent=False) for r in range(n)], False, cell=True
         )
+
+    def published(self, prefix: str, pending: Sequence[Pending] = ()) -> list[tuple[str, Any]]:
+        if self.client is None:
+            return []
+        out = []
+        boxes = [p.data(r) for p in pending for r in range(len(p.results))]  # type: ignore[attr-defined]
+        boxes += [md.get("data") for md in list(self.client.metadata.values()) if isinstance(md, dict)]
+        for data in boxes:
+            if not isinstance(data, dict) or not data:
+                continue
+            for key in [k for k in list(data) if isinstance(k, str) and k.startswith(prefix)]:
+                value = data.pop(key, None)
+                if value is not None:
+                    out.append((key, value))
+        return out
 
     def signal(self, ranks: Sequence[int], signum: int) -> None:
         ids = sorted(self.client.ids)

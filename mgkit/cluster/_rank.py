@@ -134,3 +134,79 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Outbox:
+    """A bounded buffer the rank's ledger appends each entry to (``Ledger.attach``): when full,
+    entries are counted as dropped, never waited for."""
+
+    def __init__(self, size: int):
+        import collections
+
+        self.items: Any = collections.deque()
+        self.size, self.dropped = size, 0
+
+    def append(self, entry: Any) -> None:
+        if len(self.items) < self.size:
+            self.items.append(entry)
+        else:
+            self.dropped += 1
+
+    def extend(self, entries: Any) -> None:
+        for entry in entries:
+            self.append(entry)
+
+
+def stream(on: bool, rate: float, size: int, batch: int) -> bool:
+    """Sends this rank's ledger entries to the kernel (``on``), at most ``rate`` messages a
+    second of at most ``batch`` events each, holding at most ``size`` entries meanwhile; or stops
+    sending. Returns whether it sends."""
+    import threading
+
+    import mgkit as mg
+
+    kept = state()
+    if not on:
+        detach = kept.pop("detach", None)
+        if detach is not None:
+            detach()
+        return False
+    if "detach" in kept:
+        return True
+    box = kept["outbox"] = Outbox(size)
+    kept.setdefault("lock", threading.RLock())  # a batch is taken and published as one, or drained
+    kept["detach"] = mg.ledger().attach(box)
+    kept["batch"] = batch
+    if "sender" not in kept:
+
+        def send() -> None:
+            from ipyparallel.datapub import publish_data
+
+            seq = 0
+            while True:
+                time.sleep(1.0 / rate)
+                with kept["lock"]:
+                    rows, dropped = take(kept["batch"])
+                    if rows or dropped:
+                        seq += 1
+                        publish_data({f"mgkit-events-{kept['rank']:05d}-{seq:09d}": (rows, dropped)})
+
+        kept["sender"] = threading.Thread(target=send, name="mgkit-stream", daemon=True)
+        kept["sender"].start()
+    return True
+
+
+def take(most: int | None = None) -> tuple[list, int]:
+    """Up to ``most`` of the entries waiting (all: None) as event rows, and the entries dropped
+    since the last take; after any batch the sender was publishing (its publication comes first)."""
+    kept = state()
+    box = kept.get("outbox")
+    if box is None:
+        return [], 0
+    from mgkit._ledger import events_of
+
+    with kept["lock"]:
+        n = len(box.items) if most is None else min(len(box.items), most)
+        entries = [box.items.popleft() for _ in range(n)]
+        dropped, box.dropped = box.dropped, 0
+    return [tuple(e) for e in events_of(entries)], dropped
