@@ -62,8 +62,8 @@ def setup(config: dict) -> dict:
     t0 = time.perf_counter()
     import jax
 
-    from mgkit._devices import short_name
-    from mgkit.launching import initialize_distributed
+    from .._devices import short_name  # travels by value: cloudpickle keeps __package__
+    from ..launching import initialize_distributed
 
     if config["distributed"] is not None:
         initialize_distributed({**config["distributed"], "process_id": config["rank"]})
@@ -163,7 +163,7 @@ def stream(on: bool, rate: float, size: int, batch: int) -> bool:
     sending. Returns whether it sends."""
     import threading
 
-    import mgkit as mg
+    from .._ledger import ledger
 
     kept = state()
     if not on:
@@ -175,7 +175,7 @@ def stream(on: bool, rate: float, size: int, batch: int) -> bool:
         return True
     box = kept["outbox"] = Outbox(size)
     kept.setdefault("lock", threading.RLock())  # a batch is taken and published as one, or drained
-    kept["detach"] = mg.ledger().attach(box)
+    kept["detach"] = ledger().attach(box)
     kept["batch"] = batch
     if "sender" not in kept:
 
@@ -203,7 +203,7 @@ def take(most: int | None = None) -> tuple[list, int]:
     box = kept.get("outbox")
     if box is None:
         return [], 0
-    from mgkit._ledger import events_of
+    from .._ledger import events_of
 
     with kept["lock"]:
         n = len(box.items) if most is None else min(len(box.items), most)
