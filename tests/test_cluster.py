@@ -7,6 +7,8 @@ import ipaddress
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -300,6 +302,39 @@ def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_clust
     with pytest.raises(RuntimeError, match=r"the cluster is closed; make a new one"):
         c.run(lambda r, s, p: r)
     assert "closed" in repr(c)
+
+
+def test_a_dying_kernel_leaves_no_engine_or_controller_behind(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import mgkit as mg\n"
+        "c = mg.Cluster(engines=2)\n"
+        "pids = [r.pid for r in c.ranks] + c._engines.started() + [c._guard.pid]\n"
+        "print(' '.join(map(str, pids)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = kernel.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 4 and all(psutil.pid_exists(p) for p in pids), line
+        kernel.kill()  # SIGKILL: no atexit, nothing of the kernel's own runs
+        kernel.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_running(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if _running(p)], [p for p in pids if _running(p)]
+    finally:
+        kernel.kill()
+        kernel.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_bad_arguments_are_clear_and_start_nothing(tmp_path, shell, monkeypatch):

@@ -34,7 +34,7 @@ from ..launching import (
     gpu_ids,
     launch_error,
 )
-from . import _rank
+from . import _guard, _rank
 from ._engines import LAUNCHERS, IPyParallel, Pending
 from ._stream import BATCH, RATE, SIZE, Streams
 
@@ -120,6 +120,7 @@ class Cluster:
         self.calls = 0
         self.start_seconds = 0.0
         self._engines: IPyParallel | None = None
+        self._guard: Any = None  # the process that stops the engines if the kernel dies
         self._start()
         _CURRENT.append(self)
 
@@ -225,6 +226,9 @@ class Cluster:
             RankInfo(r, i["pid"], tuple(i["devices"]), "ready", ready_seconds=i["ready"], started=time.time())
             for r, i in enumerate(ready)
         )
+        if self._file is None:  # what it started stops with the kernel, however the kernel ends
+            local = [r.pid for r in self.ranks] if self.launcher == "local" else []
+            self._guard = _guard.start(os.getpid(), [*self._engines.started(), *local])
 
     # -- running -----------------------------------------------------------------------------
 
@@ -435,6 +439,10 @@ class Cluster:
         return self
 
     def _stop(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.kill()
+            guard.wait()
         if self._engines is not None:
             if self._file is None:
                 self._kill_engines() if self.lost else None

@@ -197,6 +197,17 @@ class IPyParallel(Engines):
             [self._engine(r).execute(code, block=False, silent=False) for r in range(n)], False, cell=True
         )
 
+    def started(self) -> list[int]:
+        """The pids of the processes on this machine it started (the controller, and the
+        launchers of the engines)."""
+        pids = []
+        cluster = self.cluster
+        for launcher in [getattr(cluster, "controller", None), *getattr(cluster, "engines", {}).values()]:
+            process = getattr(launcher, "process", None)
+            if process is not None:
+                pids.append(process.pid)
+        return pids
+
     def published(self, prefix: str, pending: Sequence[Pending] = ()) -> list[tuple[str, Any]]:
         if self.client is None:
             return []
