@@ -263,7 +263,51 @@ def test_the_cluster_listens_on_loopback_only_and_its_files_are_private(cluster)
         assert mode & 0o077 == 0, (name, oct(mode))
 
 
-def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_cluster_back():
+_CHECKPOINTED = """
+import os, time, numpy as np, optax, jax.numpy as jnp, mgkit as mg
+rng = np.random.default_rng(0)
+x = rng.normal(size=(512, 8)).astype(np.float32)
+y = (x[:, 0] > 0).astype(np.float32)
+def loss(p, b):
+    return optax.sigmoid_binary_cross_entropy(b["x"] @ p["w"] + p["b"], b["y"]).mean()
+def batches(step):
+    time.sleep(0.03)
+    i = (step * 64) % 512
+    return {"x": x[i : i + 64], "y": y[i : i + 64]}
+tr = mg.Trainer(loss, optax.adam(1e-2), {"w": jnp.zeros(8), "b": jnp.zeros(())}, checkpoint=FOLDER, every=5)
+"""
+
+
+def _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path):
+    save = "np.save(os.path.join(OUT, f\"{os.environ['MGKIT_RANK']}.npy\"), np.asarray(tr.params['w']))"
+    for name in ("whole", "cut"):
+        (tmp_path / f"{name}-out").mkdir()
+    whole = _CHECKPOINTED.replace("FOLDER", repr(str(tmp_path / "whole")))
+    c.run_cell(
+        whole
+        + "tr.fit(batches, steps=40, progress=False)\n"
+        + save.replace("OUT", repr(str(tmp_path / "whole-out")))
+    )
+    cut = _CHECKPOINTED.replace("FOLDER", repr(str(tmp_path / "cut")))
+    c.run_cell(cut)
+    threading.Timer(2.0, os.kill, (c.ranks[1].pid, signal.SIGKILL)).start()
+    with pytest.raises(mg.LaunchError, match=r"rank 1 .* died"):
+        c.run_cell("tr.fit(batches, steps=40, progress=False)")
+    saved = sorted(int(p.name) for p in (tmp_path / "cut").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] < 40, saved  # it died part way, after a checkpoint
+    c.restart()
+    steps = tmp_path / "cut-out" / "steps"
+    resume = "h = tr.fit(batches, steps=40, progress=False, resume=True)\n"
+    resume += f"open({str(steps)!r}, 'w').write(str(len(h.loss)))\n"
+    c.run_cell(cut + resume + save.replace("OUT", repr(str(tmp_path / "cut-out"))))
+    assert int(steps.read_text()) == 40 - saved[-1]  # resumed from the last checkpoint, not from 0
+    for rank in (0, 1):
+        np.testing.assert_array_equal(
+            np.load(tmp_path / f"cut-out/{rank}.npy"), np.load(tmp_path / f"whole-out/{rank}.npy")
+        )
+
+
+def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_cluster_back(tmp_path):
     before = _ours()
     c = mg.Cluster(engines=2, devices_per_engine=1)
     try:
@@ -293,6 +337,7 @@ def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_clust
         assert "died" in repr(c)
         c.restart()
         assert c.run(lambda r, s, p: r * 10) == [0, 10] and victim not in {r.pid for r in c.ranks}
+        _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path)
     finally:
         c.close()
     deadline = time.monotonic() + 10
