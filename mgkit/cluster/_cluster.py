@@ -444,8 +444,8 @@ class Cluster:
             guard.kill()
             guard.wait()
         if self._engines is not None:
-            if self._file is None:
-                self._kill_engines() if self.lost else None
+            if self._file is None and self.lost:  # the survivors may sit in a collective: no goodbye
+                self._kill_engines()
             self._engines.stop()
             self._engines = None
 
