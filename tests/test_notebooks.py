@@ -37,6 +37,17 @@ EXPECTED_OUTPUT = {
         "compile excluded",
         "mgkit transfers:",
     ],
+    "09_clusters.ipynb": [
+        "2 rank(s) x 2 device(s), local launcher, one jax.distributed group; warm",
+        "] process 1 of 2, 4 devices: dev0->cpu0;dev1->cpu1;dev2->cpu2;dev3->cpu3",
+        "] data-parallel: loss 0.6931 ->",
+        "] fsdp: loss 0.6931 ->",
+        "compilations in the second fit, per rank: [0, 0]",
+        "r1/dev3",
+        "rank 1 (",
+        "died (",
+        "] resumed to step 40,",
+    ],
     "01_contexts_and_transfers.ipynb": ["Mapped name dev0 to device cpu0"],
     "02_split_concat.ipynb": [
         "Mapped name d7 to device cpu7",

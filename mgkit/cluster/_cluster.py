@@ -543,20 +543,30 @@ def _device_groups(hosts: Sequence[str], per: int, platform: str) -> list[tuple[
     return out
 
 
-def _how_it_ended(engines: Any, pid: int) -> str:
-    """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``."""
+def _how_it_ended(engines: Any, pid: int, wait: float = 1.0) -> str:
+    """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``
+    (its exit status, or what reaping it here says; the launcher may be reaping it meanwhile,
+    so this looks again for up to ``wait`` seconds)."""
     cluster = getattr(engines, "cluster", None)
-    for engine_set in getattr(cluster, "engines", {}).values():
-        for child in getattr(engine_set, "launchers", {}).values():
-            process = getattr(child, "process", None)
-            if process is not None and process.pid == pid:
-                code = (getattr(child, "stop_data", None) or {}).get("exit_code")
-                if code is None:  # not reaped by the launcher yet: reap it here (our child)
-                    with contextlib.suppress(Exception):
-                        code = process.wait(timeout=0.5)
-                if code is not None and int(code) < 0:
-                    with contextlib.suppress(ValueError):
-                        return f"signal {signal.Signals(-int(code)).name}"
-                if code is not None:
-                    return f"exit code {int(code)}"
+    children = [
+        child
+        for engine_set in getattr(cluster, "engines", {}).values()
+        for child in getattr(engine_set, "launchers", {}).values()
+        if getattr(getattr(child, "process", None), "pid", None) == pid
+    ]
+    deadline = time.monotonic() + wait
+    while children:
+        child = children[0]
+        code = (getattr(child, "stop_data", None) or {}).get("exit_code")
+        if code is None:  # not reaped by the launcher yet: reap it here (our child)
+            with contextlib.suppress(Exception):
+                code = child.process.wait(timeout=0.05)
+        if code is not None:
+            with contextlib.suppress(ValueError):
+                if int(code) < 0:
+                    return f"signal {signal.Signals(-int(code)).name}"
+            return f"exit code {int(code)}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     return "exited"

@@ -159,7 +159,7 @@ class IPyParallel(Engines):
         ipp = require_ipyparallel("mg.Cluster")
         if self._file is not None:  # someone else's ipcluster: connect only
             self.client = ipp.Client(self._file, timeout=timeout)
-            self.client.wait_for_engines(timeout=timeout, block=True)
+            self.client.wait_for_engines(timeout=timeout, block=True, interactive=False)
         else:
             self._profile = tempfile.TemporaryDirectory(prefix="mgkit-cluster-")
             os.chmod(self._profile.name, 0o700)
@@ -178,7 +178,7 @@ class IPyParallel(Engines):
             self.cluster.start_controller_sync()
             self.cluster.start_engines_sync(n=self.n, environment=dict(self.env))
             self.client = self.cluster.connect_client_sync()
-            self.client.wait_for_engines(self.n, timeout=timeout, block=True)
+            self.client.wait_for_engines(self.n, timeout=timeout, block=True, interactive=False)
         self.view = self.client[:]
         self.view.use_cloudpickle().get()
         return len(self.client.ids)
