@@ -290,7 +290,17 @@ def _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path):
     )
     cut = _CHECKPOINTED.replace("FOLDER", repr(str(tmp_path / "cut")))
     c.run_cell(cut)
-    threading.Timer(2.0, os.kill, (c.ranks[1].pid, signal.SIGKILL)).start()
+    folder = tmp_path / "cut"
+
+    def kill_after_a_checkpoint(pid=c.ranks[1].pid):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir()):
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=kill_after_a_checkpoint, daemon=True).start()
     with pytest.raises(mg.LaunchError, match=r"rank 1 .* died"):
         c.run_cell("tr.fit(batches, steps=40, progress=False)")
     saved = sorted(int(p.name) for p in (tmp_path / "cut").iterdir() if p.name.isdigit())
