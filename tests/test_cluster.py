@@ -366,13 +366,15 @@ def test_a_dying_kernel_leaves_no_engine_or_controller_behind(tmp_path):
         "import mgkit as mg\n"
         "c = mg.Cluster(engines=2)\n"
         "pids = [r.pid for r in c.ranks] + c._engines.started() + [c._guard.pid]\n"
-        "print(' '.join(map(str, pids)), flush=True)\n"
+        "print(c._engines.folder, ' '.join(map(str, pids)), flush=True)\n"
         "time.sleep(600)\n"
     )
     kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         line = kernel.stdout.readline()
-        pids = [int(p) for p in line.split()]
+        folder, *pids = line.split()
+        pids = [int(p) for p in pids]
+        assert os.path.isdir(folder), line
         assert len(pids) == 4 and all(psutil.pid_exists(p) for p in pids), line
         kernel.kill()  # SIGKILL: no atexit, nothing of the kernel's own runs
         kernel.wait()
@@ -380,6 +382,10 @@ def test_a_dying_kernel_leaves_no_engine_or_controller_behind(tmp_path):
         while time.monotonic() < deadline and any(_running(p) for p in pids):
             time.sleep(0.1)
         assert not [p for p in pids if _running(p)], [p for p in pids if _running(p)]
+        deadline = time.monotonic() + 5
+        while os.path.exists(folder) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(folder)  # its profile folder (connection files) too
     finally:
         kernel.kill()
         kernel.wait()

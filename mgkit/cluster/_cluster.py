@@ -228,7 +228,8 @@ class Cluster:
         )
         if self._file is None:  # what it started stops with the kernel, however the kernel ends
             local = [r.pid for r in self.ranks] if self.launcher == "local" else []
-            self._guard = _guard.start(os.getpid(), [*self._engines.started(), *local])
+            pids = [*self._engines.started(), *local]
+            self._guard = _guard.start(os.getpid(), pids, self._engines.folder)
 
     # -- running -----------------------------------------------------------------------------
 

@@ -148,6 +148,11 @@ class IPyParallel(Engines):
         self._profile: tempfile.TemporaryDirectory | None = None
 
     @property
+    def folder(self) -> str | None:
+        """The profile folder it made (connection files, logs), or None."""
+        return None if self._profile is None else self._profile.name
+
+    @property
     def connection_file(self) -> str | None:
         if self._file is not None:
             return self._file
@@ -246,7 +251,7 @@ class IPyParallel(Engines):
 def launcher_script(n: int, launcher: str) -> str:
     """The command (``mpi``) or batch script (``slurm``, ``pbs``) ipyparallel's engine launcher
     would run or submit for ``n`` engines, made without running or submitting anything."""
-    ipp = require_ipyparallel("mg.Cluster.script")
+    require_ipyparallel("mg.Cluster.script")
     from ipyparallel.cluster import launcher as launchers
 
     with tempfile.TemporaryDirectory(prefix="mgkit-script-") as folder:
@@ -264,5 +269,4 @@ def launcher_script(n: int, launcher: str) -> str:
         made.write_batch_script(n)
         with open(made.batch_file) as f:
             text = f.read()
-    del ipp
     return text

@@ -1,14 +1,17 @@
 """A cluster's guard: a tiny process that outlives nothing. It watches the kernel that started
 the cluster and, when that kernel dies (SIGKILL, the out-of-memory killer, a crash), stops the
-processes the cluster started (controller, engines: SIGTERM, then SIGKILL), so a dying kernel
-leaves no engine behind. ``close()`` stops the guard first.
+processes the cluster started (controller, engines: SIGTERM, then SIGKILL) and removes the
+profile folder it made, so a dying kernel leaves nothing behind. ``close()`` stops the guard
+first.
 
-Run as ``python -m mgkit.cluster._guard KERNEL_PID PID...``; it imports nothing of mgkit's.
+Run as ``python _guard.py KERNEL_PID FOLDER PID...`` (FOLDER ``-``: none); it imports nothing
+of mgkit's.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,11 +48,12 @@ def _stop(pids: list[int]) -> None:
             time.sleep(0.05)
 
 
-def start(kernel: int, pids: list[int]) -> subprocess.Popen:
-    """Starts the guard of ``pids`` for the kernel ``kernel``."""
+def start(kernel: int, pids: list[int], folder: str | None) -> subprocess.Popen:
+    """Starts the guard of ``pids`` (and of the profile ``folder`` the cluster made) for the
+    kernel ``kernel``."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.Popen(
-        [sys.executable, "-S", __file__, str(kernel), *map(str, pids)],
+        [sys.executable, "-S", __file__, str(kernel), folder or "-", *map(str, pids)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -59,10 +63,12 @@ def start(kernel: int, pids: list[int]) -> subprocess.Popen:
 
 
 def main(argv: list[str]) -> int:
-    kernel, pids = int(argv[1]), [int(p) for p in argv[2:]]
+    kernel, folder, pids = int(argv[1]), argv[2], [int(p) for p in argv[3:]]
     while _alive(kernel):
         time.sleep(PERIOD)
     _stop(pids)
+    if folder != "-" and os.path.basename(folder).startswith("mgkit-cluster-"):  # only its own
+        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 
