@@ -42,6 +42,7 @@ from ._prefetch import prefetch as prefetch
 from ._profile import Profile as Profile
 from ._profile import profile as profile
 from ._spmd import clear_caches as clear_caches
+from ._stops import PreemptedError as PreemptedError
 from ._transfer import colocate as colocate
 from ._transfer import put as put
 from ._transfer import synchronize as synchronize
@@ -90,6 +91,7 @@ __all__ = [
     "Parallel",
     "Pipeline",
     "PrecisionWarning",
+    "PreemptedError",
     "Prefetch",
     "Profile",
     "ProfileView",

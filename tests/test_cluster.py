@@ -5,6 +5,7 @@ loopback only, and the bad input."""
 
 import ipaddress
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -235,6 +236,35 @@ def test_ctrl_c_stops_the_cell_on_every_rank_and_the_cluster_stays_warm(cluster,
     assert len(stops) == 2 and all(0 < i < 2999 for i in stops), out
 
 
+def test_ctrl_c_stops_a_distributed_fit_at_one_step_on_every_rank_and_it_goes_on(cluster, tmp_path):
+    import _thread
+
+    code = _CHECKPOINTED.replace("FOLDER", "None").replace("0.03", "0.05")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    cluster.run_cell(code + "tr.fit(batches, steps=40, progress=False)\n" + _save(whole))
+    cluster.run_cell(code)
+    pressed = []
+
+    def ctrl_c():
+        pressed.append(time.monotonic())
+        _thread.interrupt_main()
+
+    threading.Timer(2.0, ctrl_c).start()
+    with pytest.raises(KeyboardInterrupt) as info:
+        cluster.run_cell("tr.fit(batches, steps=300, progress=False)")
+    assert time.monotonic() - pressed[0] < 2.0 + 1.5  # the ranks stop within 2 s (and a loaded machine)
+    text = str(info.value)
+    stops = re.findall(r"rank \d \(.*\): KeyboardInterrupt: Trainer\.fit stopped at step (\d+)", text)
+    assert len(stops) == 2 and stops[0] == stops[1], text  # one step boundary, on every rank
+    k = int(stops[0])
+    assert 0 < k < 40, k
+    assert [r.state for r in cluster.ranks] == ["ready", "ready"]
+    # warm: the next cell runs, its steps' collectives too, from the state each rank kept
+    cluster.run_cell(f"tr.fit(batches, steps={40 - k}, progress=False)\n" + _save(cut))
+    for rank in (0, 1):
+        np.testing.assert_array_equal(np.load(cut / f"{rank}.npy"), np.load(whole / f"{rank}.npy"))
+
+
 def test_what_cannot_be_sent_is_named(cluster):
     lock = threading.Lock()
 
@@ -278,16 +308,18 @@ tr = mg.Trainer(loss, optax.adam(1e-2), {"w": jnp.zeros(8), "b": jnp.zeros(())},
 """
 
 
-def _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path):
-    save = "np.save(os.path.join(OUT, f\"{os.environ['MGKIT_RANK']}.npy\"), np.asarray(tr.params['w']))"
-    for name in ("whole", "cut"):
-        (tmp_path / f"{name}-out").mkdir()
-    whole = _CHECKPOINTED.replace("FOLDER", repr(str(tmp_path / "whole")))
-    c.run_cell(
-        whole
-        + "tr.fit(batches, steps=40, progress=False)\n"
-        + save.replace("OUT", repr(str(tmp_path / "whole-out")))
+def _save(folder) -> str:
+    """A cell's line saving each rank's trained weights in ``folder`` as <rank>.npy."""
+    out = repr(str(folder))
+    return (
+        f"os.makedirs({out}, exist_ok=True)\n"
+        f"np.save(os.path.join({out}, f\"{{os.environ['MGKIT_RANK']}}.npy\"), np.asarray(tr.params['w']))\n"
     )
+
+
+def _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path):
+    whole = _CHECKPOINTED.replace("FOLDER", repr(str(tmp_path / "whole")))
+    c.run_cell(whole + "tr.fit(batches, steps=40, progress=False)\n" + _save(tmp_path / "whole-out"))
     cut = _CHECKPOINTED.replace("FOLDER", repr(str(tmp_path / "cut")))
     c.run_cell(cut)
     folder = tmp_path / "cut"
@@ -309,11 +341,50 @@ def _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path):
     steps = tmp_path / "cut-out" / "steps"
     resume = "h = tr.fit(batches, steps=40, progress=False, resume=True)\n"
     resume += f"open({str(steps)!r}, 'w').write(str(len(h.loss)))\n"
-    c.run_cell(cut + resume + save.replace("OUT", repr(str(tmp_path / "cut-out"))))
+    (tmp_path / "cut-out").mkdir()
+    c.run_cell(cut + resume + _save(tmp_path / "cut-out"))
     assert int(steps.read_text()) == 40 - saved[-1]  # resumed from the last checkpoint, not from 0
     for rank in (0, 1):
         np.testing.assert_array_equal(
             np.load(tmp_path / f"cut-out/{rank}.npy"), np.load(tmp_path / f"whole-out/{rank}.npy")
+        )
+
+
+def _a_preempted_rank_saves_its_step_and_the_run_resumes_bit_for_bit(c, tmp_path):
+    """SIGTERM to one rank: every rank stops at one step boundary and saves it, the preempted
+    rank exits, the cell says which rank and step; after c.restart() the run resumes from that
+    step and ends as an uninterrupted one (``whole-out``, written before)."""
+    folder = tmp_path / "preempted"
+    code = _CHECKPOINTED.replace("FOLDER", repr(str(folder))).replace("every=5", "every=1000")
+    c.run_cell(code)
+    victim = c.ranks[1].pid
+    threading.Timer(1.5, os.kill, (victim, signal.SIGTERM)).start()
+    with pytest.raises(mg.LaunchError) as info:
+        c.run_cell("tr.fit(batches, steps=40, progress=False)")
+    text = str(info.value)
+    found = re.search(
+        r"rank 1 \(.*pid \d+\) was preempted \(SIGTERM\): every rank stopped at step (\d+)", text
+    )
+    assert found and f"step {found.group(1)} is saved in '{folder}'" in text and "c.restart()" in text, text
+    step = int(found.group(1))
+    assert info.value.rank == 1 and "PreemptedError" in text and "rank 0" in text
+    assert 0 < step < 40 and [int(p.name) for p in folder.iterdir() if p.name.isdigit()] == [step]
+    deadline = time.monotonic() + 5
+    while _running(victim) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(victim)  # a preempted rank goes, as told
+    with pytest.raises(RuntimeError, match=r"rank 1 .* was preempted .*c\.restart\(\)"):
+        c.run(lambda r, s, p: r)
+    c.restart()
+    steps = tmp_path / "preempted-out" / "steps"
+    resume = "h = tr.fit(batches, steps=40, progress=False, resume=True)\n"
+    resume += f"open({str(steps)!r}, 'w').write(str(len(h.loss)))\n"
+    steps.parent.mkdir()
+    c.run_cell(code + resume + _save(tmp_path / "preempted-out"))
+    assert int(steps.read_text()) == 40 - step
+    for rank in (0, 1):
+        np.testing.assert_array_equal(
+            np.load(tmp_path / f"preempted-out/{rank}.npy"), np.load(tmp_path / f"whole-out/{rank}.npy")
         )
 
 
@@ -348,6 +419,7 @@ def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_clust
         c.restart()
         assert c.run(lambda r, s, p: r * 10) == [0, 10] and victim not in {r.pid for r in c.ranks}
         _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path)
+        _a_preempted_rank_saves_its_step_and_the_run_resumes_bit_for_bit(c, tmp_path)
     finally:
         c.close()
     deadline = time.monotonic() + 10

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import cloudpickle
 
 from .._numbers import real, whole
+from .._stops import PreemptedError
 from .._table import html_table, text_table
 from ..launching import (
     Failure,
@@ -31,11 +33,10 @@ from ..launching import (
     check_signature,
     coordinator_config,
     dumps,
-    gpu_ids,
     launch_error,
 )
 from . import _guard, _rank
-from ._engines import LAUNCHERS, IPyParallel, Pending
+from ._engines import LAUNCHERS, IPyParallel, Pending, device_groups, engine_env
 from ._stream import BATCH, RATE, SIZE, Streams
 
 cloudpickle.register_pickle_by_value(_rank)  # engines must not import mgkit (and jax) to unpickle it
@@ -43,6 +44,7 @@ cloudpickle.register_pickle_by_value(_rank)  # engines must not import mgkit (an
 _WHERE = "mg.Cluster"
 _OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "JAX_PLATFORMS", "MGKIT_RANK")
 POLL = 0.05  # seconds between two looks at the ranks while a call runs
+INTERRUPT_WAIT = 2.0  # seconds the ranks have to stop after Ctrl-C
 _CURRENT: list[Cluster] = []  # the cluster %%mgkit_all runs on: the newest one still open
 HEADERS = ("rank", "host", "pid", "devices", "state", "ready (s)", "calls")
 
@@ -118,6 +120,7 @@ class Cluster:
         self.ranks: tuple[RankInfo, ...] = ()
         self.hosts: tuple[str, ...] = ()
         self.calls = 0
+        self._sent = 0  # calls announced to the ranks (``_begin``)
         self.start_seconds = 0.0
         self._engines: IPyParallel | None = None
         self._guard: Any = None  # the process that stops the engines if the kernel dies
@@ -157,7 +160,7 @@ class Cluster:
         t0 = time.perf_counter()
         self.ranks, self.hosts = (), ()
         engines = IPyParallel(
-            None if self._file else self.engines, self.launcher, {**self._env, **_engine_env()}, self._file
+            None if self._file else self.engines, self.launcher, {**self._env, **engine_env()}, self._file
         )
         try:
             n = engines.start(self.timeout)
@@ -197,7 +200,7 @@ class Cluster:
                 f"{_WHERE}: jax is already imported in some engines, so their devices cannot be chosen "
                 "any more; restart those engines (ipcluster stop/start) or start a cluster with mg.Cluster"
             )
-        groups = _device_groups(hosts, self.devices_per_engine, _platform())
+        groups = device_groups(hosts, self.devices_per_engine)
         config = None
         if self.distributed and n > 1:
             port = self._wait(self._engines.apply(_rank.free_port, [()] * n, wrapped=False), "start", True)[0]
@@ -258,6 +261,7 @@ class Cluster:
             (fn_bytes, shared_bytes, dumps(None if private is None else private[r], f"private[{r}]", fix))
             for r in range(self.engines)
         ]
+        self._begin()
         values = self._wait(self._engines.apply(_rank.call, per_rank), "run")
         return [cloudpickle.loads(v) for v in values]
 
@@ -267,7 +271,14 @@ class Cluster:
         self._check_usable("%%mgkit_all")
         if not isinstance(code, str):
             raise TypeError(f"Cluster.run_cell: code must be a str, got {type(code).__name__}")
+        self._begin()
         self._wait(self._engines.execute(code), "run")
+
+    def _begin(self) -> None:
+        """Tells the ranks which call comes next (their fits key stop requests by it); queued
+        before the call, not waited for."""
+        self._sent += 1
+        self._engines.apply(_rank.begin, [(self._sent,)] * self.engines, wrapped=False)
 
     def compilations(self) -> list[int]:
         """Each rank's XLA compilations so far (counted from the first time asked)."""
@@ -289,13 +300,12 @@ class Cluster:
                     self._show(pending, shown)
                 if streams is not None:
                     streams.collect(pending)
-                gone = self._gone()
+                gone = self._gone(pending)
                 if gone is not None:
                     self._lose(gone, pending, shown)
                 time.sleep(POLL)
         except KeyboardInterrupt:
-            self._interrupt(pending)
-            raise
+            self._interrupt(pending, shown)
         if not quiet:
             self._show(pending, shown, final=True)
         if streams is not None:
@@ -321,7 +331,7 @@ class Cluster:
         streams.collect(pending)
         if self.streaming:  # what the ranks still hold, after every batch they were publishing
             rest = self._engines.apply(_rank.take, [(None,)] * self.engines, wrapped=False)
-            while not all(rest.done()) and self._gone() is None:
+            while not all(rest.done()) and self._gone(rest) is None:
                 time.sleep(POLL / 5)
             rest.settle(1.0)
             streams.collect(pending, rest)
@@ -343,20 +353,24 @@ class Cluster:
                     if r < len(self.ranks):
                         self.ranks[r].tail.append(line)
 
-    def _gone(self) -> tuple[int, str] | None:
-        """A rank whose process is gone (this machine's engines), with how it ended."""
+    def _gone(self, pending: Pending) -> tuple[int, str] | None:
+        """A rank whose process is gone (this machine's engines), with how it ended; but for a
+        preempted rank that replied to ``pending`` (it exits after its reply, as told)."""
         if self.launcher != "local" or self._file is not None:
             return None
         import psutil
 
+        done = pending.done()
         for info in self.ranks:
+            if done[info.rank] and _preempted(pending.result(info.rank)):
+                continue
             try:
                 proc = psutil.Process(info.pid)
                 if proc.status() != psutil.STATUS_ZOMBIE:
                     continue
             except psutil.NoSuchProcess:
                 pass
-            return info.rank, _how_it_ended(self._engines, info.pid)
+            return info.rank, self._engines.ended(info.pid)
         return None
 
     def _lose(self, gone: tuple[int, str], pending: Pending, shown: list[int]) -> None:
@@ -382,6 +396,9 @@ class Cluster:
                 self.ranks[r].state = "ready" if kind == "ok" else "raised" if kind == "error" else kind
         if not failed:
             return [value for _, value in outcomes]
+        preempted = [r for r in failed if _preempted(outcomes[r])]
+        if preempted:
+            raise self._preempted(outcomes, preempted)
         root = failed[0]
         kind, facts = outcomes[root]
         host = self.hosts[root] if root < len(self.hosts) else "?"
@@ -405,15 +422,67 @@ class Cluster:
         results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
         raise launch_error(head + " (the cluster stays warm)", failure, self.ranks, root, results)
 
-    def _interrupt(self, pending: Pending) -> None:
-        """Ctrl-C: SIGINT to every rank still running, and a short wait for them."""
-        running = [r for r, d in enumerate(pending.done()) if not d]
-        self._engines.signal(running, signal.SIGINT)
-        deadline = time.monotonic() + 2.0
-        while not all(pending.done()) and time.monotonic() < deadline:
-            time.sleep(POLL)
+    def _preempted(self, outcomes: list[tuple[str, Any]], ranks: list[int]) -> LaunchError:
+        """A rank's SIGTERM stopped every rank's fit at one step (saved where the trainer has a
+        checkpoint folder): the error naming the rank and the step; the preempted rank exits, so
+        the cluster is marked lost."""
+        message = outcomes[ranks[0]][1].get("message", "")
+        found = re.search(r"rank (\d+) was preempted", message)
+        root = int(found.group(1)) if found and int(found.group(1)) < self.engines else ranks[0]
+        what = message.split("(SIGTERM)", 1)[-1].strip() if "(SIGTERM)" in message else ""
+        host, pid = self.hosts[root], self.ranks[root].pid
         for info in self.ranks:
-            info.state = "ready" if info.state == "running" else info.state
+            info.state = "preempted" if info.rank == root else "stopped"
+            info.reason = None if info.rank == root else f"stopped with rank {root} (SIGTERM to rank {root})"
+        self.lost = f"rank {root} ({host}, pid {pid}) was preempted (SIGTERM) and exits"
+        head = (
+            f"rank {root} ({host}, pid {pid}) was preempted (SIGTERM){what}. Rank {root} exits, so call "
+            "c.restart() first"
+        )
+        facts = outcomes[root][1] if outcomes[root][0] == "error" else outcomes[ranks[0]][1]
+        failure = Failure("signal", head, PreemptedError.__name__, facts.get("traceback", ""))
+        results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
+        return launch_error(head, failure, self.ranks, root, results)
+
+    def _interrupt(self, pending: Pending, shown: list[int]) -> None:
+        """Ctrl-C: SIGINT to every rank still running (a fit stops at the step boundary the ranks
+        agree on, its state kept), and after a second again to those still running (a fit then
+        stops at its next boundary, agreed or not). Raises KeyboardInterrupt saying where each
+        rank stopped; a rank still running after ``INTERRUPT_WAIT`` seconds is named as such."""
+        t0 = time.monotonic()
+        for share in (0.5, 1.0):
+            running = [r for r, d in enumerate(pending.done()) if not d]
+            if not running:
+                break
+            self._signal(running, signal.SIGINT)
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C again: the same, sooner
+                while not all(pending.done()) and time.monotonic() < t0 + share * INTERRUPT_WAIT:
+                    time.sleep(POLL)
+        with contextlib.suppress(Exception):
+            self._show(pending, shown, final=True)
+        lines = []
+        for info, finished in zip(self.ranks, pending.done(), strict=False):
+            host = self.hosts[info.rank] if info.rank < len(self.hosts) else "?"
+            if not finished:
+                info.state = "running"
+                what = f"still running {INTERRUPT_WAIT:g} s after Ctrl-C: the next call waits for it"
+            else:
+                info.state = "ready"
+                kind, facts = pending.result(info.rank)
+                what = "had finished" if kind == "ok" else f"{facts.get('type')}: {facts.get('message', '')}"
+            lines.append(f"  rank {info.rank} ({host}): {(what.splitlines() or [''])[0]}")
+        head = "Ctrl-C stopped the call on the ranks; the cluster stays warm:"
+        raise KeyboardInterrupt("\n".join([head, *lines]))
+
+    def _signal(self, ranks: list[int], signum: int) -> None:
+        """``signum`` to these ranks: straight to the processes this machine started, else
+        through the engine."""
+        if self.launcher == "local" and self._file is None:
+            for r in ranks:
+                with contextlib.suppress(OSError):
+                    os.kill(self.ranks[r].pid, signum)
+        else:
+            self._engines.signal(ranks, signum)
 
     def _kill_engines(self) -> None:
         import psutil
@@ -518,56 +587,7 @@ class Cluster:
         return launcher_script(n, launcher)
 
 
-def _engine_env() -> dict[str, str]:
-    """What every engine needs to import this mgkit (and nothing that picks its devices)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
-
-
-def _platform() -> str:
-    """ "gpu" where this machine has GPUs for the engines, else "cpu" (simulated devices)."""
-    return "gpu" if gpu_ids() else "cpu"
-
-
-def _device_groups(hosts: Sequence[str], per: int, platform: str) -> list[tuple[str, Any]]:
-    """Per rank: ("cpu", how many simulated devices) or ("gpu", its CUDA ids by its place on
-    its host: the k-th engine of a host takes ids k*per .. k*per + per - 1)."""
-    if platform == "cpu":
-        return [("cpu", per)] * len(hosts)
-    seen: dict[str, int] = {}
-    out = []
-    for host in hosts:
-        k = seen.get(host, 0)
-        seen[host] = k + 1
-        out.append(("gpu", [str(i) for i in range(k * per, (k + 1) * per)]))
-    return out
-
-
-def _how_it_ended(engines: Any, pid: int, wait: float = 1.0) -> str:
-    """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``
-    (its exit status, or what reaping it here says; the launcher may be reaping it meanwhile,
-    so this looks again for up to ``wait`` seconds)."""
-    cluster = getattr(engines, "cluster", None)
-    children = [
-        child
-        for engine_set in getattr(cluster, "engines", {}).values()
-        for child in getattr(engine_set, "launchers", {}).values()
-        if getattr(getattr(child, "process", None), "pid", None) == pid
-    ]
-    deadline = time.monotonic() + wait
-    while children:
-        child = children[0]
-        code = (getattr(child, "stop_data", None) or {}).get("exit_code")
-        if code is None:  # not reaped by the launcher yet: reap it here (our child)
-            with contextlib.suppress(Exception):
-                code = child.process.wait(timeout=0.05)
-        if code is not None:
-            with contextlib.suppress(ValueError):
-                if int(code) < 0:
-                    return f"signal {signal.Signals(-int(code)).name}"
-            return f"exit code {int(code)}"
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return "exited"
+def _preempted(outcome: tuple[str, Any]) -> bool:
+    """Whether a rank's outcome is the ``PreemptedError`` of a preemption."""
+    kind, facts = outcome
+    return kind == "error" and isinstance(facts, dict) and facts.get("type") == PreemptedError.__name__

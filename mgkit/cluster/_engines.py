@@ -11,12 +11,14 @@ import abc
 import contextlib
 import os
 import re
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import missing
+from ..launching import gpu_ids
 
 LAUNCHERS = {"local": "Local", "mpi": "MPI", "slurm": "Slurm", "pbs": "PBS"}  # ours -> ipyparallel's
 LOOPBACK = "127.0.0.1"
@@ -84,6 +86,11 @@ class Engines(abc.ABC):
         """(key, value) of every message the ranks published under a key starting with
         ``prefix`` since the last look, taken: under ``pending``'s requests, or under any other
         (a rank publishes under whatever request it last ran; the key says whose it is)."""
+
+    @abc.abstractmethod
+    def ended(self, pid: int) -> str:
+        """How the rank process ``pid`` it started ended: "signal SIGKILL", "exit code 1" or
+        "exited" (where it cannot tell)."""
 
     @abc.abstractmethod
     def stop(self) -> None:
@@ -233,6 +240,34 @@ class IPyParallel(Engines):
         with contextlib.suppress(Exception):
             self.client.send_signal(signum, targets=[ids[r] for r in ranks], block=True)
 
+    def ended(self, pid: int, wait: float = 1.0) -> str:
+        """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``
+        (its exit status, or what reaping it here says; the launcher may be reaping it meanwhile,
+        so this looks again for up to ``wait`` seconds)."""
+        cluster = self.cluster
+        children = [
+            child
+            for engine_set in getattr(cluster, "engines", {}).values()
+            for child in getattr(engine_set, "launchers", {}).values()
+            if getattr(getattr(child, "process", None), "pid", None) == pid
+        ]
+        deadline = time.monotonic() + wait
+        while children:
+            child = children[0]
+            code = (getattr(child, "stop_data", None) or {}).get("exit_code")
+            if code is None:  # not reaped by the launcher yet: reap it here (our child)
+                with contextlib.suppress(Exception):
+                    code = child.process.wait(timeout=0.05)
+            if code is not None:
+                with contextlib.suppress(ValueError):
+                    if int(code) < 0:
+                        return f"signal {signal.Signals(-int(code)).name}"
+                return f"exit code {int(code)}"
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return "exited"
+
     def stop(self) -> None:
         if self.client is not None:
             with contextlib.suppress(Exception):
@@ -270,3 +305,24 @@ def launcher_script(n: int, launcher: str) -> str:
         with open(made.batch_file) as f:
             text = f.read()
     return text
+
+
+def engine_env() -> dict[str, str]:
+    """What every engine needs to import this mgkit (and nothing that picks its devices)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def device_groups(hosts: Sequence[str], per: int) -> list[tuple[str, Any]]:
+    """Per rank: ("cpu", how many simulated devices) on a machine without GPUs, else ("gpu", its
+    CUDA ids by its place on its host: the k-th engine of a host takes ids k*per .. k*per + per - 1)."""
+    if not gpu_ids():
+        return [("cpu", per)] * len(hosts)
+    seen: dict[str, int] = {}
+    out = []
+    for host in hosts:
+        k = seen.get(host, 0)
+        seen[host] = k + 1
+        out.append(("gpu", [str(i) for i in range(k * per, (k + 1) * per)]))
+    return out

@@ -63,13 +63,31 @@ def setup(config: dict) -> dict:
     import jax
 
     from .._devices import short_name  # travels by value: cloudpickle keeps __package__
+    from .._stops import install
     from ..launching import initialize_distributed
 
     if config["distributed"] is not None:
         initialize_distributed({**config["distributed"], "process_id": config["rank"]})
+    install(config["rank"], config["ranks"] if config["distributed"] is not None else 1)
+    _plain_tracebacks()
     kept.update(rank=config["rank"], ranks=config["ranks"], ready=time.perf_counter() - t0)
     kept["devices"] = tuple(short_name(d) for d in jax.local_devices())
     return info()
+
+
+def _plain_tracebacks() -> None:
+    """The engine's tracebacks as Python writes them, the cell's lines included, without colour:
+    IPython's default (context, coloured) takes a second or more to format the first one, which
+    a rank stopped by Ctrl-C would spend before it answers."""
+    import builtins
+    import contextlib
+    import io
+
+    with contextlib.suppress(Exception), contextlib.redirect_stdout(io.StringIO()):
+        shell = getattr(builtins, "get_ipython", lambda: None)()  # an engine's shell puts it there
+        if shell is not None:
+            shell.run_line_magic("xmode", "Plain")
+            shell.run_line_magic("colors", "nocolor")
 
 
 def info() -> dict:
@@ -83,6 +101,15 @@ def info() -> dict:
         "ready": kept.get("ready"),
         "jax": "jax" in sys.modules,
     }
+
+
+def begin(call: int) -> None:
+    """The kernel's next call is number ``call`` (its fits' stop requests are keyed by it)."""
+    from .._stops import group
+
+    g = group()
+    if g is not None:
+        g.begin(call)
 
 
 def call(fn_bytes: bytes, shared_bytes: bytes, private_bytes: bytes) -> tuple:

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from mgkit._numbers import whole
+from mgkit._stops import PreemptedError, preempted_error
 
 from . import _checkpoint_steps as _steps
 from . import _checkpoint_tree as _tree
@@ -503,6 +504,16 @@ class Checkpointing:
             self.checkpoints.wait()
         if feed.arrays:
             self._position = position
+
+    def _preempted(self, where: str, by: int | None) -> PreemptedError:
+        """After a fit every rank stopped for a preemption: the state saved (where the trainer
+        has a checkpoint folder), and the error that says so."""
+        what, _ = self._what()
+        saved = None
+        if self.checkpoints is not None:
+            self.save()
+            saved = str(self.checkpoints.directory)
+        return preempted_error(where, by, self._step, saved, what)
 
     def save(self) -> None:
         """Saves a checkpoint of the current state now (needs ``checkpoint=``), and waits for it."""

@@ -31,6 +31,7 @@ from .. import _clock, _contexts
 from .._ledger import Kind, execution_label, ledger
 from .._numbers import whole
 from .._spmd import sharding
+from .._stops import preempted_error
 from .._transfer import place
 from . import _data
 from ._checkpoint import Checkpointing, Checkpoints
@@ -287,19 +288,26 @@ class Ensemble:
         token = (id(self), self._fits)
         fits: list[_Fit] = []
         bar = Bar(where, sum(totals.values()), progress)
-        interrupted = False
+        stopped: str | None = None
         try:
             fits += [_Fit(r, totals[name], token) for name, r in self._runners.items()]
             with Interrupts() as stop:
-                interrupted = self._loop(fits, on_error, bar, stop)
+                stopped = self._loop(fits, on_error, bar, stop)
         finally:
             bar.close(sum(len(f.history) for f in fits), lambda: _postfix(fits))
             for f in fits:
                 f.runner._fit_ended(f.feed)
-            self.result = self._result(fits, interrupted)
+            self.result = self._result(fits, stopped is not None)
         rounds = max((len(f.history) for f in fits), default=0)
+        if stopped == Stop.PREEMPTED:
+            saved = []
+            for r in self._runners.values():
+                if r.checkpoints is not None:
+                    r.save()
+                    saved.append(str(r.checkpoints.directory))
+            raise preempted_error(where, stop.by, rounds, ", ".join(saved) or None, "ensemble")
         kept = "each member's last completed step (ens.result, ens.params)"
-        conclude(where, Stop.INTERRUPTED if interrupted else None, rounds, None, kept)
+        conclude(where, stopped, rounds, None, kept)
         for f in fits:
             if f.stopped == Stop.DATA:
                 name = f.runner.name
@@ -340,9 +348,10 @@ class Ensemble:
             totals[name] = max(total - r.step, 0) if resume else total
         return totals
 
-    def _loop(self, fits: list[_Fit], on_error: str, bar: Bar, stop: Interrupts) -> bool:
+    def _loop(self, fits: list[_Fit], on_error: str, bar: Bar, stop: Interrupts) -> str | None:
         """Rounds of one step per running member (``run_steps``, a round a step), each round's
-        losses read in the next. Returns whether Ctrl-C stopped it."""
+        losses read in the next. Returns whether Ctrl-C (or a preemption) stopped it: the
+        ``Stop``, or None."""
         label = execution_label()
         offset = time.time() - time.perf_counter()
         halt = False
@@ -366,11 +375,12 @@ class Ensemble:
                     halt = True
             bar.tick(sum(len(f.history) for f in fits), lambda: _postfix(fits))
 
-        interrupted = run_steps(take, dispatch, read, None, stop, late=True) == Stop.INTERRUPTED
+        stopped = run_steps(take, dispatch, read, None, stop, late=True)
+        interrupted = stopped in (Stop.INTERRUPTED, Stop.PREEMPTED)
         for f in fits:
             if f.stopped is None and f.done < f.total:
-                f.stopped = Stop.INTERRUPTED if interrupted else "stopped"
-        return interrupted
+                f.stopped = stopped if interrupted else "stopped"
+        return stopped if interrupted else None
 
     def _dispatch(self, f: _Fit, stop: Interrupts) -> _Pending | None:
         """Takes the member's next batch (placed by its feed) and dispatches its step; a member

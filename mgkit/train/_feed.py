@@ -72,7 +72,7 @@ class Feed:
         """The next placed batch and the data position after it; StopIteration at the data's
         end, KeyboardInterrupt where Ctrl-C comes while it waits for the loader."""
         if isinstance(self._batches, Prefetch):
-            return self._batches.take(lambda: stop.requested)
+            return self._batches.take(lambda: stop.urgent)
         return next(self._batches)
 
     def close(self) -> dict | None:

@@ -9,7 +9,7 @@ what                        here
 why a fit stopped           ``Stop`` (the strings ``History.stopped`` holds)
 the steps, one after one    ``run_steps``: take a batch, dispatch, read the loss at once or
                             one step late (``reads_late``), Ctrl-C and data running out
-Ctrl-C                      ``Interrupts``: noted, acted on at the next step boundary
+Ctrl-C, preemption          ``_stops.Interrupts``: noted, acted on at the next step boundary
 a non-finite loss           ``check_on_nan`` and ``not_finite`` (the error and its message)
 data running out            ``DataRanOut``, warned by ``conclude`` (no batch at all too)
 skipped updates             ``StepsSkipped``, warned by ``warn_skipped`` at a fit's end
@@ -25,8 +25,6 @@ checkpoints and resume      ``_checkpoint.Checkpointing``
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +34,7 @@ from .._beat import beat
 from .._contexts import Context
 from .._ledger import Kind, Layout, execution_label, ledger
 from .._oom import StepFacts, raise_if_out_of_memory
+from .._stops import INTERRUPTED, PREEMPTED, Interrupts
 from ._history import History
 
 
@@ -50,7 +49,8 @@ class StepsSkipped(UserWarning):
 class Stop:
     """Why a fit ended before its steps (``History.stopped``; None: it ran them all)."""
 
-    INTERRUPTED = "interrupted"  # Ctrl-C (the notebook's Stop button), at a step boundary
+    INTERRUPTED = INTERRUPTED  # Ctrl-C (the notebook's Stop button), at a step boundary
+    PREEMPTED = PREEMPTED  # SIGTERM to a cluster's rank, at a step boundary every rank agreed on
     DATA = "data ran out"  # the iterable of batches ended
     NAN = "nan"  # a step's loss or gradient was not finite, under on_nan="raise"
 
@@ -106,12 +106,13 @@ def run_steps(
     """Runs up to ``total`` steps (None: until ``take`` ends): ``take()`` the next batch (it
     raises StopIteration when the data ends), ``dispatch(batch)`` a step, ``read(dispatched)``
     its loss, at once or, with ``late``, after the next step's dispatch. Stops at a step boundary
-    on Ctrl-C. Returns why it stopped early (a ``Stop``), or None; ``read``'s errors propagate,
-    the steps dispatched before them read first."""
+    on Ctrl-C or preemption (in a cluster's ranks, at the boundary they all agree on). Returns
+    why it stopped early (a ``Stop``), or None; ``read``'s errors propagate, the steps
+    dispatched before them read first."""
     done, pending, stopped = 0, None, None
     while total is None or done < total:
-        if stop.requested:
-            stopped = Stop.INTERRUPTED
+        if stop.requested is not None and stop.agreed(done):
+            stopped = stop.requested
             break
         try:
             batch = take()
@@ -226,30 +227,6 @@ class StepEvents:
         ledger().record(layout.call(start, seconds, label, extra))
 
 
-class Interrupts:
-    """Ctrl-C (the notebook's Stop button) during a fit: noted, so the loop stops at the next
-    step boundary with the state of the last completed step, never between a step's dispatch
-    and its result being kept (the step donates the old parameters). Off the main thread,
-    where no handler can be set, Ctrl-C is left to Python."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old: Any = None
-
-    def _note(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    def __enter__(self) -> Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._note)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None
-
-
 class Bar:
     """A fit's progress bar: after a second of work (``progress`` None), at once (True) or
     never (False); updated at most ten times a second. ``postfix()`` says what the bar shows
@@ -353,8 +330,11 @@ class Fit:
         self.bar.tick(len(self.history), lambda: f"loss {loss:.6g}")
         return seconds
 
-    def end(self, kept: str) -> History:
-        """``conclude`` for this fit and the ``StepsSkipped`` warning; returns its history."""
+    def end(self, kept: str, preempted: Callable[[str, int | None], Exception] | None = None) -> History:
+        """``conclude`` for this fit and the ``StepsSkipped`` warning; returns its history. After
+        a preemption, raises ``preempted(where, rank)`` (the trainer's: it saves its state)."""
+        if self.history.stopped == Stop.PREEMPTED and preempted is not None:
+            raise preempted(self.where, self.stop.by)
         conclude(self.where, self.history.stopped, len(self.history), self.total, kept, stacklevel=4)
         warn_skipped(self.where, self.history, stacklevel=4)
         return self.history

@@ -474,7 +474,7 @@ class Pipeline(Checkpointing):
             self._steps(feed, fit, optimizer, on_nan)
         finally:
             self._fit_ended(feed)
-        return fit.end(f"step {self._step} (params and opt_state are that step's)")
+        return fit.end(f"step {self._step} (params and opt_state are that step's)", self._preempted)
 
     def _check_batch_size(self, src: Any, where: str) -> None:
         """Arrays batched by fewer rows than microbatches: an error (each batch would run as

@@ -462,7 +462,7 @@ class Trainer(Checkpointing):
             raise self._out_of_memory(e) from e.__cause__
         finally:
             self._fit_ended(feed)
-        return fit.end(f"step {self._step} (params, opt_state and step are that step's)")
+        return fit.end(f"step {self._step} (params, opt_state and step are that step's)", self._preempted)
 
     def _out_of_memory(self, error: OutOfMemoryError) -> OutOfMemoryError:
         """``error`` as it is where the failing step was refused before it ran (it took nothing:
