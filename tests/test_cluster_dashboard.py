@@ -120,6 +120,7 @@ def test_the_kernel_keeps_each_ranks_last_beat_and_a_bounded_history_of_its_read
 # -- on a cluster ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_every_ranks_contexts_and_engines_after_a_fit(cluster):
     cluster.run_cell(_fit(30, 0.0))
     dash = mg.Dashboard(cluster=cluster, widget=False)
@@ -163,6 +164,7 @@ def test_the_dashboard_shows_every_ranks_contexts_and_engines_after_a_fit(cluste
     assert "last beat" in table and table.count("s ago, step 30") == 2
 
 
+@pytest.mark.slow
 def test_rank_data_reaches_a_live_dashboards_panels_while_the_cell_runs(cluster):
     dash = mg.Dashboard(cluster=cluster, widget=True)  # refreshed by the views' thread
     launches, throughput = dash.launches.widget.children[0], dash.throughput.widget.children[0]
@@ -197,6 +199,7 @@ def test_rank_data_reaches_a_live_dashboards_panels_while_the_cell_runs(cluster)
     assert all(t < end - 0.5 for t in seen.values()), (seen, end)  # while the cell ran
 
 
+@pytest.mark.slow
 def test_a_fast_loop_streams_at_most_10_messages_a_second_per_rank(cluster, capsys):
     sent = list(cluster.streams.messages)
     t0 = time.monotonic()
@@ -216,6 +219,7 @@ def test_a_fast_loop_streams_at_most_10_messages_a_second_per_rank(cluster, caps
     assert all(r.step is not None and r.step > 100 for r in cluster.ranks)  # its beats came too
 
 
+@pytest.mark.slow
 def test_bad_cluster_values_are_named_with_the_fix(cluster):
     for make in (mg.Dashboard, mg.DeviceMap, mg.MemoryView, mg.LaunchView):
         with pytest.raises(TypeError, match=r"cluster must be an mg\.Cluster .*got str 'c'"):
