@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ._numbers import whole
 
@@ -107,3 +108,20 @@ def add_watcher(watcher: Callable[[int, float], None]) -> Callable[[], None]:
 def last_step() -> int:
     """The step of the last beat in this process (0 before any)."""
     return _beats.step
+
+
+class LastBeat(NamedTuple):
+    """This process's heartbeats so far (``last_beat()``)."""
+
+    count: int  # beats so far (0: none yet)
+    step: int  # the step of the last one
+    wall: float  # time.time() of the last one (0.0 before any)
+
+
+def last_beat() -> LastBeat:
+    """How many beats this process made, the last one's step and its wall time (a cluster's rank
+    sends them to the kernel with its ledger entries)."""
+    b = _beats
+    count, step, last = b.count, b.step, b.last
+    wall = time.time() - (time.perf_counter() - last) if count else 0.0
+    return LastBeat(count, step, wall)

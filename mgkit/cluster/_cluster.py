@@ -46,7 +46,7 @@ _OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "JA
 POLL = 0.05  # seconds between two looks at the ranks while a call runs
 INTERRUPT_WAIT = 2.0  # seconds the ranks have to stop after Ctrl-C
 _CURRENT: list[Cluster] = []  # the cluster %%mgkit_all runs on: the newest one still open
-HEADERS = ("rank", "host", "pid", "devices", "state", "ready (s)", "calls")
+HEADERS = ("rank", "host", "pid", "devices", "state", "last beat", "ready (s)", "calls")
 
 
 def current() -> Cluster | None:
@@ -75,7 +75,9 @@ class Cluster:
       stream: each rank sends its ledger entries to the kernel's ledger in batches (at most 10
         messages a second; a rank holds at most 100,000 entries meanwhile and counts more as
         dropped, never waiting), its contexts named by rank (``r1/dev2``): the dashboard's
-        transfers and throughput panels show every rank. ``c.stream(False)`` stops it.
+        transfers and throughput panels show every rank. Its last heartbeat (``mg.beat``) and
+        its devices' memory readings go with the batches (``mg.Dashboard(cluster=c)`` shows
+        them). ``c.stream(False)`` stops it.
 
     >>> c = mg.Cluster(engines=2, devices_per_engine=2)   # doctest: +SKIP
     >>> c.run(lambda rank, shared, private: rank)          # doctest: +SKIP
@@ -229,6 +231,7 @@ class Cluster:
             RankInfo(r, i["pid"], tuple(i["devices"]), "ready", ready_seconds=i["ready"], started=time.time())
             for r, i in enumerate(ready)
         )
+        self.streams.infos = self.ranks  # each rank's last beat, as its messages bring it
         if self._file is None:  # what it started stops with the kernel, however the kernel ends
             local = [r.pid for r in self.ranks] if self.launcher == "local" else []
             pids = [*self._engines.started(), *local]
@@ -547,6 +550,7 @@ class Cluster:
                 r.pid,
                 ",".join(r.devices),
                 r.state if not self.closed else "closed",
+                r.beat_text(),
                 "" if r.ready_seconds is None else round(r.ready_seconds, 2),
                 self.calls,
             )

@@ -212,28 +212,101 @@ def stream(on: bool, rate: float, size: int, batch: int) -> bool:
             seq = 0
             while True:
                 time.sleep(1.0 / rate)
+                sample(kept)  # outside the lock: a drain never waits for a reading
                 with kept["lock"]:
-                    rows, dropped = take(kept["batch"])
-                    if rows or dropped:
+                    rows, dropped, news = take(kept["batch"])
+                    if rows or dropped or news:
                         seq += 1
-                        publish_data({f"mgkit-events-{kept['rank']:05d}-{seq:09d}": (rows, dropped)})
+                        publish_data({f"mgkit-events-{kept['rank']:05d}-{seq:09d}": (rows, dropped, news)})
 
         kept["sender"] = threading.Thread(target=send, name="mgkit-stream", daemon=True)
         kept["sender"].start()
     return True
 
 
-def take(most: int | None = None) -> tuple[list, int]:
-    """Up to ``most`` of the entries waiting (all: None) as event rows, and the entries dropped
-    since the last take; after any batch the sender was publishing (its publication comes first)."""
+def take(most: int | None = None) -> tuple[list, int, dict]:
+    """Up to ``most`` of the entries waiting (all: None) as event rows, the entries dropped
+    since the last take, and the news (``news``); after any batch the sender was publishing (its
+    publication comes first)."""
     kept = state()
     box = kept.get("outbox")
     if box is None:
-        return [], 0
+        return [], 0, {}
     from .._ledger import events_of
 
     with kept["lock"]:
         n = len(box.items) if most is None else min(len(box.items), most)
         entries = [box.items.popleft() for _ in range(n)]
         dropped, box.dropped = box.dropped, 0
-    return [tuple(e) for e in events_of(entries)], dropped
+        heard = news(kept)
+    return [tuple(e) for e in events_of(entries)], dropped, heard
+
+
+SAMPLE_EVERY = 0.5  # seconds between two readings of this rank's devices' memory, at least
+SAMPLE_SHARE = 0.01  # share of a core the readings may take (live arrays cost ~4 us each to sum)
+
+
+def news(kept: dict) -> dict:
+    """What the kernel has not heard yet besides ledger entries: ``beat``, the last heartbeat
+    (``mg.beat``'s ``LastBeat``: beats so far, step, wall time) when there was a new one, and ``memory``,
+    the readings ``sample`` took since the last take (oldest first)."""
+    from .._beat import last_beat
+
+    out: dict = {}
+    if "detach" not in kept:  # not streaming
+        return out
+    beat = last_beat()
+    if beat.count and beat.count != kept.get("beat_sent"):
+        kept["beat_sent"] = beat.count
+        out["beat"] = beat
+    samples = kept.get("samples")
+    if samples:
+        out["memory"] = [samples.popleft() for _ in range(len(samples))]
+    return out
+
+
+def sample(kept: dict) -> None:
+    """Reads this rank's devices' memory when due (every ``SAMPLE_EVERY`` s at most, and within
+    ``SAMPLE_SHARE`` of a core), with the source the kernel's own memory view reads (allocator
+    statistics, else the live arrays' bytes); a reading equal to the last one kept is left out,
+    so an idle rank sends nothing. Kept in ``kept["samples"]`` (bounded) for the next take."""
+    import collections
+
+    now = time.monotonic()
+    if "detach" not in kept or now < kept.get("sample_next", 0.0):
+        return
+    t0 = time.thread_time()
+    import jax
+
+    from .._contexts import context_map, device_of
+    from .._devices import readings, short_name
+
+    local = jax.local_devices()
+    names: dict = {d: [] for d in local}
+    cmap = context_map()
+    for name in cmap.names:
+        device = device_of(name)
+        if device in names:
+            names[device].append(name)
+    read = readings(local)
+    rows = [
+        {
+            "contexts": tuple(names[d]),
+            "device": short_name(d),
+            "platform": d.platform,
+            "kind": d.device_kind,
+            "t": time.time(),
+            "used": read[d].used,
+            "peak": read[d].peak,
+            "limit": read[d].limit,
+            "source": read[d].source,
+        }
+        for d in local
+    ]
+    cost = time.thread_time() - t0
+    kept["sample_next"] = now + max(SAMPLE_EVERY, cost / SAMPLE_SHARE)
+    same = [(r["contexts"], r["used"], r["peak"], r["limit"]) for r in rows]
+    if same == kept.get("sample_last"):
+        return
+    kept["sample_last"] = same
+    kept.setdefault("samples", collections.deque(maxlen=64)).append(rows)

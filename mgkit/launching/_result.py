@@ -71,6 +71,14 @@ class RankInfo:
     def beat_age(self, now: float | None = None) -> float | None:
         return None if self.beat_at is None else (now or time.time()) - self.beat_at
 
+    def beat_text(self, now: float | None = None) -> str:
+        """Its last heartbeat, ``0.3 s ago, step 120`` at ``now`` (default: now); "" before any."""
+        age = self.beat_age(now)
+        if age is None:
+            return ""
+        step = "" if self.step is None else f", step {self.step}"
+        return f"{max(age, 0.0):.1f} s ago{step}"
+
 
 class LaunchResult(Table):
     """What ``mg.launch`` returns: ``values`` (one per rank), ``seconds`` (each rank's wall time),

@@ -8,11 +8,12 @@ One module per view, over a shared base:
 ``_transfers``      ``TransferView``: the newest transfers, totals, a heatmap of bytes moved
 ``_memory``         ``MemoryView``: bytes in use and peak per context over time, a trainer's bands
 ``_throughput``     ``ThroughputView``: samples per second and step time per context
-``_launches``       ``LaunchView``: the ranks of the running or last ``mg.launch``
+``_launches``       ``LaunchView``: the ranks of the running or last ``mg.launch``, or a cluster's engines
 ``_schedule``       ``Schedule``: the timeline of one pipeline or ensemble step
 ``_profile``        ``ProfileView``: a profile's timeline per context (``mg.profile()``)
 ``_sharding``       ``ShardingView`` (``show_sharding``): which block of each leaf lives where
-``_dashboard``      ``Dashboard``: the header, device map, transfers, throughput and launches
+``_dashboard``      ``Dashboard``: the header, device map, transfers, throughput and launches;
+                    ``cluster=c``: every rank's contexts and the engines too
 ``_base``           ``LiveView`` and ``Plotted``, what every view shares
 ``_live``           the bounded feed from the ledger and the one thread that refreshes views
 ``_format``         short texts: a cell's label, a rate, a duration, GB/s

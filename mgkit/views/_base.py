@@ -322,6 +322,26 @@ def check_contexts(contexts: Any, where: str) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+def check_cluster(cluster: Any, where: str) -> Any:
+    """The ``mg.Cluster`` whose ranks a view shows besides this kernel's work (None: none)."""
+    if cluster is None:
+        return None
+    from ..cluster import Cluster  # the cluster module imports no view: no cycle, no widget
+
+    if not isinstance(cluster, Cluster):
+        raise TypeError(
+            f"{where}: cluster must be an mg.Cluster whose ranks to show beside this kernel's work "
+            f"(c = mg.Cluster(engines=2); cluster=c), or None for this kernel alone; got "
+            f"{type(cluster).__name__} {cluster!r:.80}"
+        )
+    if cluster.closed:
+        raise ValueError(
+            f"{where}: cluster={cluster._title()!r} is closed, so it has no ranks to show; start a new "
+            "one (c = mg.Cluster(...)) and pass that, or pass cluster=None"
+        )
+    return cluster
+
+
 class Plotted(LiveView):
     """A view with a live SVG picture: redrawn when its data changed, within a time budget."""
 

@@ -1,5 +1,6 @@
 """The dashboard: the header, device map, memory over time, transfers and throughput in one view,
-and the launch table once there has been a launch."""
+and the launch table once there has been a launch (with ``cluster=``: the cluster's engines, and
+every rank's contexts in the panels)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._ledger import Event, Ledger
-from ._base import LiveView
+from ._base import LiveView, check_cluster
 from ._devicemap import DeviceMap
 from ._header import Header
 from ._launches import LaunchView
@@ -25,6 +26,12 @@ class Dashboard(LiveView):
     (text elsewhere); below them the ranks of the running or last ``mg.launch``, once there has
     been one. ``dash.watch(trainer)`` draws a trainer's state as bands in the memory panel.
 
+    ``mg.Dashboard(cluster=c)`` shows an ``mg.Cluster``'s ranks beside this kernel's work, live
+    while their cells run: every rank's contexts (``r1/dev2``) in the device map (with the
+    rank's host and pid), the transfer heatmap (with the collectives of their steps),
+    throughput and memory over time, and below them the engines with their state and last
+    heartbeat (``0.3 s ago, step 120``).
+
     Args:
       contexts: show only these contexts (default: all).
       max_rows: recent transfers listed, 1 to 1000.
@@ -36,6 +43,7 @@ class Dashboard(LiveView):
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while a cell runs; False:
         only when you call ``refresh()``.
+      cluster: an ``mg.Cluster`` whose ranks to show too (default: this kernel's work alone).
 
     >>> import mgkit as mg
     >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
@@ -59,17 +67,23 @@ class Dashboard(LiveView):
         ledger: Ledger | None = None,
         widget: bool | None = None,
         live: bool = True,
+        cluster: Any = None,
     ):
         super().__init__(rate, ledger, widget, live, contexts)
-        mode = self._as_widget
+        self.cluster = check_cluster(cluster, self._where)
+        mode, cluster = self._as_widget, self.cluster
         self.header = Header(rate=min(rate, 1.0), widget=mode, live=False)
-        self.devices = DeviceMap(contexts, rate=min(rate, 2.0), widget=mode, live=False)
-        self.memory = MemoryView(contexts, min(rate, 4.0), ledger=self._ledger, widget=mode, live=False)
+        self.devices = DeviceMap(contexts, rate=min(rate, 2.0), widget=mode, live=False, cluster=cluster)
+        self.memory = MemoryView(
+            contexts, min(rate, 4.0), ledger=self._ledger, widget=mode, live=False, cluster=cluster
+        )
         self.memory.picture_rate = min(rate, MEMORY_PICTURE_RATE)
         panel = min(rate, PANEL_RATE)  # the pictures redraw no faster: their tables follow them
         self.transfers = TransferView(contexts, max_rows, panel, self._ledger, mode, live=False)
         self.throughput = ThroughputView(contexts, history, panel, self._ledger, mode, live=False)
-        self.launches = LaunchView(rate=min(rate, 2.0), ledger=self._ledger, widget=mode, live=False)
+        self.launches = LaunchView(
+            rate=min(rate, 2.0), ledger=self._ledger, widget=mode, live=False, cluster=cluster
+        )
         self.views = (self.header, self.devices, self.memory, self.transfers, self.throughput, self.launches)
         self._start()
 

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from .. import _contexts, _devices
 from .._ledger import Event
 from .._table import Markup, html_table
-from ._base import LiveView
+from ._base import LiveView, check_cluster
 from ._live import Throttled
 from ._png import LIMIT_BAR, LIVE_BAR, MemoryBar, bar_share, draw_memory, largest_live
 
@@ -26,6 +26,61 @@ class DeviceRow(NamedTuple):
     limit: int | None  # the device's byte limit (None: it reports none)
     current: bool  # True for the current context (the main thread's)
     source: str | None  # where ``used`` comes from: "allocator", "live arrays", or None
+    rank: int | None = None  # the cluster rank whose context it is (None: this kernel's)
+    host: str = ""  # that rank's host
+    pid: int | None = None  # that rank's process id
+
+
+def process_text(r: DeviceRow) -> str:
+    """Whose context a row is: ``kernel``, or ``rank 1 (host, pid 4242)``."""
+    return "kernel" if r.rank is None else f"rank {r.rank} ({r.host}, pid {r.pid})"
+
+
+def rank_rows(cluster: Any) -> list[DeviceRow]:
+    """A row per context of every rank of ``cluster`` (named ``r1/dev2``), from each rank's newest
+    memory reading; before a rank's first reading, a row per device it owns (``r1/cpu2``)."""
+    streams = getattr(cluster, "streams", None)
+    latest = streams.latest() if streams is not None else []
+    rows = []
+    for info in cluster.ranks:
+        host = cluster.hosts[info.rank] if info.rank < len(cluster.hosts) else "?"
+        mine = [s for s in latest if s.rank == info.rank]
+        for s in mine:
+            platform = s.device.rstrip("0123456789")
+            rows.append(
+                DeviceRow(
+                    s.context,
+                    s.device,
+                    platform,
+                    s.kind,
+                    s.used,
+                    s.limit,
+                    False,
+                    s.source,
+                    info.rank,
+                    host,
+                    info.pid,
+                )
+            )
+        if not mine:
+            for d in info.devices:
+                platform = d.rstrip("0123456789")
+                rows.append(
+                    DeviceRow(
+                        f"r{info.rank}/{d}",
+                        d,
+                        platform,
+                        "?",
+                        None,
+                        None,
+                        False,
+                        None,
+                        info.rank,
+                        host,
+                        info.pid,
+                    )
+                )
+    return rows
 
 
 _CURRENT_ROW = {"class": "mgkit-current", "style": "background:#fff3c4;font-weight:bold"}
@@ -80,7 +135,8 @@ class DeviceMap(LiveView):
     Memory comes from the device's allocator statistics where it reports them (GPUs, TPUs);
     devices that report none (CPU) show the bytes held by the live jax arrays on them, marked
     ``live arrays``, with no limit. A widget in notebooks (refreshed live), text elsewhere
-    (``print(mg.DeviceMap())``).
+    (``print(mg.DeviceMap())``). With ``cluster=c`` every rank's contexts follow this kernel's,
+    named by rank (``r1/dev2``) with the rank's host and pid, their memory as the ranks read it.
 
     Args:
       contexts: context names to show (default: every context of the current map).
@@ -90,6 +146,7 @@ class DeviceMap(LiveView):
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while a cell runs; False:
         only when you call ``refresh()``.
+      cluster: an ``mg.Cluster`` whose ranks' contexts to show too (default: none).
 
     >>> import mgkit as mg
     >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
@@ -112,8 +169,12 @@ class DeviceMap(LiveView):
         rate: float = 2.0,
         widget: bool | None = None,
         live: bool = True,
+        cluster: Any = None,
     ):
         super().__init__(rate, None, widget, live, contexts)
+        self.cluster = check_cluster(cluster, self._where)
+        if self.cluster is not None:
+            self.headers = (*self.headers, "process")
         self._state: list[DeviceRow] = []
         _watch_main_stack()
         self._start()
@@ -138,6 +199,8 @@ class DeviceMap(LiveView):
             rows.append(
                 DeviceRow(name, short, platform, device.device_kind, used, limit, name == current, source)
             )
+        if self.cluster is not None:
+            rows.extend(rank_rows(self.cluster))
         return rows
 
     def _update(self, events: list[Event], budgeted: bool) -> bool:
@@ -150,7 +213,12 @@ class DeviceMap(LiveView):
 
     def _title(self) -> str:
         current = next((r.context for r in self._state if r.current), None)
-        return f"mgkit device map: {len(self._state)} context(s), current (*) {current or '(none shown)'}"
+        own = sum(r.rank is None for r in self._state)
+        title = f"mgkit device map: {own} context(s), current (*) {current or '(none shown)'}"
+        if self.cluster is not None:
+            ranks = len({r.rank for r in self._state if r.rank is not None})
+            title += f"; cluster: {len(self._state) - own} context(s) on {ranks} rank(s)"
+        return title
 
     def _note(self) -> str:
         return _devices.MEMORY_NOTE if any(r.source for r in self._state) else ""
@@ -159,10 +227,13 @@ class DeviceMap(LiveView):
         return [MemoryBar(r.context, r.device, r.used, r.limit, r.current) for r in self._state]
 
     def _rows(self) -> list[tuple]:
-        return [
+        rows = [
             (f"{'*' if r.current else ' '} {r.context}", r.device, r.platform, r.kind, _memory(r))
             for r in self._state
         ]
+        if self.cluster is not None:
+            rows = [(*row, process_text(r)) for row, r in zip(rows, self._state, strict=True)]
+        return rows
 
     def text(self) -> str:
         note = self._note()
@@ -175,7 +246,8 @@ class DeviceMap(LiveView):
             share = bar_share(r.used, r.limit, top)
             bar = "" if share is None else _bar_html(share, LIMIT_BAR if r.limit else LIVE_BAR)
             name = Markup(("&#9654; " if r.current else "") + html.escape(r.context))
-            rows.append((name, r.device, r.platform, r.kind, Markup(bar + html.escape(_memory(r)))))
+            row = (name, r.device, r.platform, r.kind, Markup(bar + html.escape(_memory(r))))
+            rows.append(row if self.cluster is None else (*row, process_text(r)))
         attrs = [_CURRENT_ROW if r.current else {} for r in self._state]
         note = self._note()
         foot = f'<div style="font-size:11px;color:#666">{html.escape(note)}</div>' if note else ""

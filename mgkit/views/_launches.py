@@ -1,5 +1,6 @@
 """The launch view: per rank of the running or last ``mg.launch`` its devices, state, heartbeat
-age and last output lines; a finished launch it did not watch, read from the ledger."""
+age and last output lines; a finished launch it did not watch, read from the ledger; or, with
+``cluster=``, the engines of an ``mg.Cluster`` (the same ``RankInfo`` rows, with their hosts)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .. import launching
 from .._ledger import Event, Kind, Ledger
 from .._table import Markup, html_table
 from ..launching import TAIL, RankEvent, RankInfo, Running
-from ._base import LiveView
+from ._base import LiveView, check_cluster
 from ._format import cell_name
 from ._live import check_count
 
@@ -29,6 +30,9 @@ _STATE_COLORS = {
     "stalled": "#ef6c00",
     "terminated": "#757575",
     "starting": "#757575",
+    "lost": "#c62828",
+    "raised": "#c62828",
+    "stopped": "#757575",
 }
 
 
@@ -39,8 +43,10 @@ class LaunchRow(NamedTuple):
     pid: int
     devices: str  # comma-separated device names
     state: str  # RankInfo.state: starting, running, stalled, done, failed, aborted or terminated
+    # (a cluster's engine: ready, running, raised, lost, stopped or closed)
     status: str  # what the view says: ready, running step 12, stalled after step 12, done, ...
     beat: str  # seconds since its last heartbeat ("" before the first), frozen when it ended
+    # (a cluster's engine: "0.3 s ago, step 120")
     output: tuple[str, ...]  # its last output lines, shortened
 
 
@@ -80,9 +86,12 @@ def _beat(r: RankInfo, now: float) -> str:
     return f"{max(end - r.beat_at, 0.0):.1f} s"
 
 
-def launch_rows(ranks: Iterable[RankInfo], lines: int, now: float | None = None) -> tuple[LaunchRow, ...]:
+def launch_rows(
+    ranks: Iterable[RankInfo], lines: int, now: float | None = None, warm: bool = False
+) -> tuple[LaunchRow, ...]:
     """A row per rank of a running (or finished) launch; heartbeat ages at ``now`` for live
-    ranks, at their exit for ended ones."""
+    ranks, at their exit for ended ones. ``warm``: a cluster's engines, which outlive their
+    calls: the status is the engine's state, the beat its age and step (``0.3 s ago, step 120``)."""
     now = time.time() if now is None else now
     return tuple(
         LaunchRow(
@@ -90,8 +99,8 @@ def launch_rows(ranks: Iterable[RankInfo], lines: int, now: float | None = None)
             r.pid,
             ",".join(r.devices) or "?",
             r.state,
-            rank_status(r),
-            _beat(r, now),
+            r.state if warm else rank_status(r),
+            r.beat_text(now) if warm else _beat(r, now),
             last_lines(r.tail, lines),
         )
         for r in sorted(ranks, key=operator.attrgetter("rank"))
@@ -151,6 +160,7 @@ class _Shown(NamedTuple):
 
     title: str  # the line above the table (all there is when there is no launch)
     rows: tuple[LaunchRow, ...]  # a row per rank
+    hosts: tuple[str, ...] = ()  # a cluster's engines: each row's host (a launch: none)
 
 
 def _counts(rows: Sequence[LaunchRow]) -> str:
@@ -168,6 +178,11 @@ class LaunchView(LiveView):
     the ranks' output; a view made after a launch shows that launch from the ledger's ``launch``
     events (states and devices, no output or heartbeats).
 
+    With ``cluster=c`` it shows that cluster's engines instead, warm between calls: per rank its
+    host, pid, devices, state (ready, running, raised, lost, stopped, closed), last heartbeat
+    (``0.3 s ago, step 120``: ``mg.beat``, which trainers call every step, sent with the rank's
+    ledger entries) and last output lines.
+
     Args:
       lines: output lines shown per rank, 0 to 20 (each cut to 72 characters).
       rate: refreshes per second, above 0 and at most 10.
@@ -176,6 +191,7 @@ class LaunchView(LiveView):
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while ``mg.launch`` runs in the
         cell; False: only when you call ``refresh()``.
+      cluster: an ``mg.Cluster`` whose engines to show (default: ``mg.launch``'s ranks).
 
     >>> import mgkit as mg
     >>> mg.ledger().clear()
@@ -194,8 +210,12 @@ class LaunchView(LiveView):
         ledger: Ledger | None = None,
         widget: bool | None = None,
         live: bool = True,
+        cluster: Any = None,
     ):
         super().__init__(rate, ledger, widget, live)
+        self.cluster = check_cluster(cluster, self._where)
+        if self.cluster is not None:
+            self.headers = ("rank", "host", *self.headers[1:])
         self.lines = check_count(lines, "lines", self._where, 0, TAIL, 2)
         self._seen: tuple[RankInfo, ...] = ()  # the ranks of the last launch seen running
         self._launches = -1  # launch events in the ledger's totals when last read
@@ -227,8 +247,21 @@ class LaunchView(LiveView):
             self._from_ledger = ledger_launch(self._ledger.records(Kind.LAUNCH))
         return self._from_ledger
 
+    def _cluster_state(self, now: float) -> _Shown:
+        """The cluster's engines, now."""
+        c = self.cluster
+        rows = launch_rows(c.ranks, self.lines, now, warm=True)
+        if c.closed:
+            rows = tuple(r._replace(state="closed", status="closed") for r in rows)
+        hosts = tuple(c.hosts[r.rank] if r.rank < len(c.hosts) else "?" for r in rows)
+        state = "closed" if c.closed else "lost a rank" if c.lost else "warm"
+        title = f"mgkit cluster: {len(rows)} engine(s), {state}, {c.calls} call(s): {_counts(rows)}"
+        return _Shown(title, rows, hosts)
+
     def _state(self) -> _Shown:
         now = time.time()
+        if self.cluster is not None:
+            return self._cluster_state(now)
         running = self._running()
         if running is not None:
             self._seen = running.ranks
@@ -259,15 +292,16 @@ class LaunchView(LiveView):
         return True
 
     def _rows(self) -> list[tuple]:
-        return [(r.rank, r.pid, r.devices, r.status, r.beat, " | ".join(r.output)) for r in self._shown.rows]
+        rows = [(r.rank, r.pid, r.devices, r.status, r.beat, " | ".join(r.output)) for r in self._shown.rows]
+        return _with_hosts(rows, self._shown.hosts)
 
     def text(self) -> str:
-        title, rows = self._shown
+        title, rows, _ = self._shown
         return self._table(title) if rows else title
 
     def html(self) -> str:
         esc = html.escape
-        title, rows = self._shown
+        title, rows, hosts = self._shown
         if not rows:
             return f'<div style="font-family:monospace;font-size:12px">{esc(title)}</div>'
         cells = []
@@ -276,10 +310,19 @@ class LaunchView(LiveView):
             state = Markup(f'<span style="color:{color}">{esc(r.status)}</span>') if color else r.status
             output = Markup(f'<div style="{_OUTPUT_STYLE}">{"<br>".join(map(esc, r.output))}</div>')
             cells.append((r.rank, r.pid, r.devices, state, r.beat, output))
-        return html_table(self.headers, cells, title, [{"class": f"mgkit-rank-{r.state}"} for r in rows])
+        return html_table(
+            self.headers, _with_hosts(cells, hosts), title, [{"class": f"mgkit-rank-{r.state}"} for r in rows]
+        )
 
     def _figsize(self) -> tuple[float, float]:
         return 10.0, 0.25 * (len(self._shown.rows) + 3) + 0.4
 
     def _draw_figure(self, fig: Any) -> None:
         fig.text(0.01, 0.98, self.text(), va="top", fontsize=8, family="monospace")
+
+
+def _with_hosts(rows: list[tuple], hosts: tuple[str, ...]) -> list[tuple]:
+    """A table's rows with each one's host after its rank (a cluster's engines), else as they are."""
+    if not hosts:
+        return rows
+    return [(row[0], host, *row[1:]) for row, host in zip(rows, hosts, strict=True)]

@@ -16,7 +16,7 @@ from .._ledger import Event, Ledger
 from .._numbers import real
 from .._table import html_table, human_bytes, text_table
 from . import _svg
-from ._base import Plotted
+from ._base import Plotted, check_cluster
 from ._devicemap import LIVE_BYTES
 
 MIB = float(1 << 20)
@@ -89,6 +89,11 @@ class MemoryView(Plotted):
     Trainers are not followed on their own: ``view.watch(trainer)`` adds its bands (read from
     ``trainer.memory()`` at most once a second while refreshed live, and at each ``refresh()``).
 
+    With ``cluster=c`` every rank's contexts (``r1/dev2``) follow this kernel's: each rank reads
+    its own devices' memory (the same sources, at most twice a second, a reading only when it
+    changed) and sends it with its ledger entries; a rank's points are placed at the times the
+    rank took them.
+
     Args:
       contexts: context names to show (default: every context of the current map).
       rate: samples (and refreshes) per second, above 0 and at most 10.
@@ -99,6 +104,7 @@ class MemoryView(Plotted):
         Jupyter kernel and text elsewhere.
       live: a widget is refreshed by a background thread, also while a cell runs; False:
         only when you call ``refresh()``.
+      cluster: an ``mg.Cluster`` whose ranks' contexts to show too (default: none).
 
     >>> import mgkit as mg
     >>> _ = mg.use_contexts("dev0->cpu0;dev1->cpu1", verbose=False)
@@ -124,11 +130,16 @@ class MemoryView(Plotted):
         ledger: Ledger | None = None,
         widget: bool | None = None,
         live: bool = True,
+        cluster: Any = None,
     ):
         super().__init__(rate, ledger, widget, live, contexts)
+        self.cluster = check_cluster(cluster, self._where)
         self.window = real(window, "window", self._where, lo=1, hi=3600, example=300, note="seconds kept")
         self._size = int(self.window * self.rate) + 2
         self._t0 = time.monotonic()
+        self._wall0 = time.time()  # the same moment, for the times the ranks took their readings
+        self._heard: dict[str, float] = {}  # per rank context: when its newest reading shown was taken
+        self._ranks: set[str] = set()  # the ranks' contexts shown
         self._state: dict[str, _Context] = {}
         self._trainers: list[weakref.ref] = []
         self._bands: dict[str, Band] = {}
@@ -205,10 +216,30 @@ class MemoryView(Plotted):
             ctx.most = max(ctx.most, used)
             ctx.limit, ctx.source = r.limit, r.source
             ctx.points.append(MemoryPoint(t, used, max(r.peak or 0, ctx.most), self._records))
-        for gone in [n for n in self._state if n not in shown]:
+        ranks = self._ranks = self._sample_ranks() if self.cluster is not None else set()
+        for gone in [n for n in self._state if n not in shown and n not in ranks]:
             del self._state[gone]
         self._records = 0
         self.samples += 1
+
+    def _sample_ranks(self) -> set[str]:
+        """Adds the readings the cluster's ranks sent since the last sample, each at the time
+        its rank took it; returns the ranks' contexts."""
+        streams = getattr(self.cluster, "streams", None)
+        if streams is None:  # the cluster did not start
+            return set()
+        new = streams.memory(self._heard)
+        for name, samples in new.items():
+            ctx = self._state.get(name)
+            for s in samples:
+                if ctx is None or ctx.device != s.device:  # new, or another device after a restart
+                    ctx = self._state[name] = _Context(s.device, self._size)
+                used = s.used or 0
+                ctx.most = max(ctx.most, used)
+                ctx.limit, ctx.source = s.limit, s.source
+                ctx.points.append(MemoryPoint(s.t - self._wall0, used, max(s.peak or 0, ctx.most), 0))
+                self._heard[name] = s.t
+        return set(new)
 
     def _refresh(self, budgeted: bool) -> bool:
         with self._lock:  # what was recorded is counted, not read: no events are made
@@ -286,7 +317,10 @@ class MemoryView(Plotted):
         return (html_table if as_html else text_table)(self.headers[:keep], rows, title)
 
     def _title(self) -> str:
-        return f"mgkit memory: {len(self._state)} context(s), the last {self.window:g} s kept"
+        title = f"mgkit memory: {len(self._state)} context(s), the last {self.window:g} s kept"
+        if self.cluster is not None:
+            title += f" ({len(self._ranks)} of them on the cluster's ranks, read there)"
+        return title
 
     def _note(self) -> str:
         if any(c.source == _devices.LIVE_ARRAYS for c in self._state.values()):
