@@ -240,7 +240,7 @@ class IPyParallel(Engines):
         with contextlib.suppress(Exception):
             self.client.send_signal(signum, targets=[ids[r] for r in ranks], block=True)
 
-    def ended(self, pid: int, wait: float = 1.0) -> str:
+    def ended(self, pid: int, wait: float = 3.0) -> str:
         """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``
         (its exit status, or what reaping it here says; the launcher may be reaping it meanwhile,
         so this looks again for up to ``wait`` seconds)."""
