@@ -10,18 +10,24 @@ jax.distributed group formed); a cell that makes an ``mg.Trainer`` and runs ``--
 then the same steps again in a later cell (start to result of each, the second's share of the
 first, and the compilations the second did, counted in every rank); ``mg.launch`` running the
 same steps in fresh processes (its peer: what every call costs without warm ranks); 100 steps
-with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired); then
-a rank killed with SIGKILL in a running call: the seconds from the kill to the LaunchError in the
+with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired), and
+the messages a second each rank sent meanwhile; Ctrl-C in a long fit (the seconds to the
+KeyboardInterrupt, the step each rank stopped at); SIGTERM to a rank in a checkpointed fit (the
+seconds to the LaunchError, then ``c.restart()`` and the fit resumed to its end); then a rank
+killed with SIGKILL in a running call: the seconds from the kill to the LaunchError in the
 kernel, and ``c.restart()``'s time. Timings are reported, never asserted; exit status 0.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import os
+import re
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
@@ -53,12 +59,57 @@ def _spin(rank, shared, private):
         time.sleep(0.01)
 
 
+def _ctrl_c(c: mg.Cluster) -> tuple[list[int], float]:
+    """Ctrl-C two seconds into a long fit: the step each rank stopped at, and the seconds from
+    the press to the KeyboardInterrupt in the kernel."""
+    pressed = []
+
+    def press() -> None:
+        pressed.append(time.perf_counter())
+        _thread.interrupt_main()
+
+    threading.Timer(2.0, press).start()
+    try:
+        c.run_cell("tr.fit(data, steps=10**6, batch_size=256, progress=False)")
+    except KeyboardInterrupt as e:
+        seconds = time.perf_counter() - pressed[0]
+        return [int(k) for k in re.findall(r"stopped at step (\d+)", str(e))], seconds
+    return [], float("nan")
+
+
+def _preempt(c: mg.Cluster) -> tuple[float, str, float]:
+    """SIGTERM to the last rank in a checkpointed fit: the seconds to the LaunchError, its first
+    line, and the seconds of c.restart() plus the fit resumed to its end."""
+    with tempfile.TemporaryDirectory() as folder:
+        saved = f"tr = mg.Trainer(loss, optax.adam(1e-3), tr.params, checkpoint={folder!r}, every=10**6)\n"
+        cell = SETUP + saved  # saved only when preempted
+        fit = "tr.fit(data, steps=400, batch_size=256, progress=False, resume=True)"
+        c.run_cell(cell)
+        sent = []
+
+        def term(pid: int = c.ranks[-1].pid) -> None:
+            sent.append(time.perf_counter())
+            os.kill(pid, signal.SIGTERM)
+
+        threading.Timer(2.0, term).start()
+        try:
+            c.run_cell(fit)
+            return float("nan"), "no error", float("nan")
+        except mg.LaunchError as e:
+            seconds, said = time.perf_counter() - sent[0], str(e).splitlines()[0]
+        t0 = time.perf_counter()
+        c.restart()
+        c.run_cell(cell + fit)
+        return seconds, said, time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, nargs="+", default=[2, 4], help="engine counts (default 2 4)")
     p.add_argument("--devices", type=int, default=2, help="simulated devices per engine (default 2)")
     p.add_argument("--steps", type=int, default=1, help="steps per cell (default 1)")
     p.add_argument("--rounds", type=int, default=6, help="streaming on/off rounds (default 6)")
+    p.add_argument("--loop", type=int, default=100, help="steps of each streaming round (default 100)")
     args = p.parse_args(argv)
     fit = f"tr.fit(data, steps={args.steps}, batch_size=256, progress=False)"
     print(f"mgkit {mg.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} cores")
@@ -76,15 +127,22 @@ def main(argv: list[str] | None = None) -> int:
             c.run_cell(fit)
             second = time.perf_counter() - t0
             again = [b - a for a, b in zip(compiled, c.compilations(), strict=True)]
-            loop = "tr.fit(data, steps=100, batch_size=256, progress=False)"
+            loop = f"tr.fit(data, steps={args.loop}, batch_size=256, progress=False)"
             timed: dict[bool, list[float]] = {True: [], False: []}
+            sent = [0] * n
             for k in range(args.rounds):  # streaming on and off in turn, ABBA
                 for on in (True, False) if k % 2 == 0 else (False, True):
                     c.stream(on)
+                    before = list(c.streams.messages)
                     t0 = time.perf_counter()
                     c.run_cell(loop)
                     timed[on].append(time.perf_counter() - t0)
+                    sent = [s + b - a for s, a, b in zip(sent, before, c.streams.messages, strict=True)]
             c.stream(True)
+            # each streamed call ends with a drain, read as one more message (a reply, not a batch)
+            rates = [(m - args.rounds) / sum(timed[True]) for m in sent]
+            stopped, pressed = _ctrl_c(c)
+            preempted, said, restart_resume = _preempt(c)
             ratios = sorted(a / b for a, b in zip(timed[True], timed[False], strict=True))
             t0 = time.perf_counter()
             mg.launch(
@@ -129,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}] over {args.rounds} rounds "
             "(goal <= 1.03)"
         )
+        print(
+            f"  messages a second per rank while streaming: {', '.join(f'{r:.1f}' for r in rates)} "
+            "(at most 10)"
+        )
+        print(
+            f"  Ctrl-C in a fit: every rank stopped {pressed:.2f} s later, at steps {stopped} "
+            "(goal: one step, <= 2 s)"
+        )
+        print(f"  SIGTERM to rank {n - 1} in a fit: the LaunchError {preempted:.2f} s later: {said}")
+        print(f"  then restart() and fit(resume=True) to the end: {restart_resume:.1f} s")
         print(f"  a rank killed (SIGKILL): the LaunchError {noticed:.2f} s later; restart() {restart:.1f} s")
     return 0
 

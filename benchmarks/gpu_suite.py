@@ -19,6 +19,9 @@ stays under 8 minutes on one H100), printing ``[3/11] trainer on cuda0 ... 41.2 
                        (``bench_many_models.py``), on two contexts sharing ``cuda0`` and on GPU + CPU
   launch               ``mg.launch`` of one rank on the GPU against a bare JAX process's start-up
   dashboard memory     the device map's memory in use against the allocator's own figure
+  cluster              ``mg.Cluster`` of one engine on the GPU (its own ``CUDA_VISIBLE_DEVICES``):
+                       the start against a bare JAX process's, a second identical fit cell against
+                       the first
 
 It then appends a dated section to RESULTS.md (or ``--out FILE``): the device, jax, jaxlib and
 Python versions, and a Markdown table per part. Ctrl-C, a part's exception or a part past its
@@ -106,6 +109,7 @@ class Sizes(NamedTuple):
     precision_width: int  # hidden width of the mixed-precision MLP
     precision_batch: int  # its batch
     precision_steps: int  # its steps per variant per round
+    cluster_steps: int  # steps of the cluster's fit cell
 
 
 GPU_SIZES = Sizes(
@@ -114,7 +118,7 @@ GPU_SIZES = Sizes(
     seed_rows=400, seed_features=784, train_batches=(256, 16384), train_steps=100, train_rounds=4,
     mixed_steps=10, many_steps=10, many_rounds=2, many_rows=8192, pipe_width=1024, pipe_batch=1024,
     bubble_steps=3, bubble_ms=(1, 2, 4, 8), launch_repeats=2, dashboard_mib=256,
-    precision_width=4096, precision_batch=8192, precision_steps=20,
+    precision_width=4096, precision_batch=8192, precision_steps=20, cluster_steps=50,
 )  # fmt: skip
 DRY_SIZES = Sizes(
     transfer_mib=0.25, transfer_seconds=0.3, parallel_seconds=0.3, parallel_rows=256, parallel_gemm=64,
@@ -122,7 +126,7 @@ DRY_SIZES = Sizes(
     seed_rows=40, seed_features=20, train_batches=(32, 128), train_steps=2, train_rounds=2,
     mixed_steps=2, many_steps=1, many_rounds=2, many_rows=1024, pipe_width=32, pipe_batch=64,
     bubble_steps=2, bubble_ms=(2, 4), launch_repeats=1, dashboard_mib=1,
-    precision_width=32, precision_batch=64, precision_steps=2,
+    precision_width=32, precision_batch=64, precision_steps=2, cluster_steps=3,
 )  # fmt: skip
 
 
@@ -478,6 +482,51 @@ def launch(setup: Setup, rows: list[Row]) -> None:
     rows.append(vs("mg.launch, 1 rank: whole call", median(whole), peer, bare))
 
 
+_CLUSTER_CELL = """
+import jax.numpy as jnp, numpy as np, optax, mgkit as mg
+rng = np.random.default_rng(0)
+data = {"x": rng.normal(size=(4096, 256)).astype(np.float32), "y": rng.integers(0, 10, 4096)}
+def loss(p, b):
+    logits = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+params = {"w1": jnp.zeros((256, 512)) + 0.01, "w2": jnp.zeros((512, 10))}
+tr = mg.Trainer(loss, optax.adam(1e-3), params)
+"""
+
+
+def _rank_where(rank, shared, private):
+    import os
+
+    import jax
+
+    return jax.devices()[0].platform, os.environ.get("CUDA_VISIBLE_DEVICES", "-")
+
+
+def cluster(setup: Setup, rows: list[Row]) -> None:
+    """A warm rank: mg.Cluster of one engine (its own CUDA_VISIBLE_DEVICES), the start against a
+    bare JAX process's, and a second identical fit cell against the first (compiles nothing)."""
+    peer = bench_launch.peer_startup(1, "cpu" if setup.dry else None)
+    c = mg.Cluster(engines=1, devices_per_engine=1, stream=False)
+    try:
+        rows.append(vs("mg.Cluster, 1 engine: start", c.start_seconds, peer, "vs a bare JAX process's start"))
+        c.run_cell(_CLUSTER_CELL)
+        where = c.run(_rank_where)[0]
+        rows.append(figure("the rank's device", f"{where[0]}, CUDA_VISIBLE_DEVICES={where[1]}"))
+        c.compilations()
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            c.run_cell(f"tr.fit(data, steps={setup.sizes.cluster_steps}, batch_size=256, progress=False)")
+            times.append(time.perf_counter() - t0)
+        before = c.compilations()[0]
+        c.run_cell(f"tr.fit(data, steps={setup.sizes.cluster_steps}, batch_size=256, progress=False)")
+        again = c.compilations()[0] - before
+        note = f"{setup.sizes.cluster_steps} steps a cell; the third compiled {again} program(s)"
+        rows.append(vs("warm cell: second fit vs first", times[1], times[0], note))
+    finally:
+        c.close()
+
+
 def dashboard_memory(setup: Setup, rows: list[Row]) -> None:
     """The dashboard's memory in use for the GPU's context, against the allocator's own figure
     (on CPU devices, which report none: the live arrays' bytes)."""
@@ -523,6 +572,7 @@ PARTS = [
     Part("pipeline on {gpu} + {host}", pipeline(MIXED, True), 55),
     Part("mg.launch of one rank on {gpu}", launch, 30),
     Part("dashboard memory on {gpu}", dashboard_memory, 15),
+    Part("mg.Cluster of one engine on {gpu}", cluster, 45),
 ]
 
 

@@ -28,10 +28,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 INTERRUPTED = "interrupted"  # Ctrl-C, at a step boundary
 PREEMPTED = "preempted"  # SIGTERM (a scheduler's preemption), at a step boundary, the state saved
+GRACE = 2.0  # seconds a Ctrl-C just after a fit stopped for one is taken as that one
 LEAD = 2  # boundaries past the furthest rank's post at which every rank stops
 _WAIT_MS = 1000  # the watcher's blocking read, in slices (so it notices a fit that ended)
 
@@ -256,11 +258,28 @@ class Interrupts:
     def __exit__(self, *exc: Any) -> None:
         for signum, old in self._old.items():
             signal.signal(signum, old)
+        if self.requested is not None and self._old.get(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _Late(time.monotonic() + GRACE))
         self._old.clear()
         g = group()
         if g is not None:
             g.leave(self._fit)
         self._fit = None
+
+
+class _Late:
+    """SIGINT just after a fit stopped for one: a Ctrl-C already acted on (a cluster sends its
+    ranks a second one), not a new one to raise while the fit's KeyboardInterrupt is on its way
+    out; after ``until`` (``time.monotonic()``) Ctrl-C raises as ever. A notebook's next cell
+    starts with Python's handler again."""
+
+    def __init__(self, until: float):
+        self.until = until
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if time.monotonic() >= self.until:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
 
 
 def _exit_soon(delay: float = 1.0) -> None:
