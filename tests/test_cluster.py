@@ -510,3 +510,36 @@ def test_batch_launchers_scripts_are_generated_not_run(launcher, words):
     assert not _ours() - before
     with pytest.raises(ValueError, match=r"scripts are for 'mpi', 'slurm' or 'pbs'"):
         mg.Cluster.script(2, "local")
+
+
+def test_on_gpus_each_engine_takes_its_own_cuda_devices_by_its_place_on_its_host(monkeypatch, tmp_path):
+    from mgkit.cluster import _engines
+
+    monkeypatch.setattr(_engines, "gpu_ids", lambda: [0, 1, 2, 3])
+    groups = _engines.device_groups(["a", "a", "b", "a"], 1)
+    assert groups == [("gpu", ["0"]), ("gpu", ["1"]), ("gpu", ["0"]), ("gpu", ["2"])]
+    assert _engines.device_groups(["a", "a"], 2) == [("gpu", ["0", "1"]), ("gpu", ["2", "3"])]
+    monkeypatch.setattr(_engines, "gpu_ids", lambda: [])
+    assert _engines.device_groups(["a", "a"], 2) == [("cpu", 2), ("cpu", 2)]  # simulated devices
+    # what the engine does with its group: its CUDA_VISIBLE_DEVICES, before jax is imported
+    import cloudpickle
+
+    from mgkit.cluster import _rank
+
+    (tmp_path / "setup.pkl").write_bytes(cloudpickle.dumps(_rank.setup))  # as an engine receives it
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import os, sys, cloudpickle\n"
+        f"setup = cloudpickle.loads(open({str(tmp_path / 'setup.pkl')!r}, 'rb').read())\n"
+        "assert 'jax' not in sys.modules\n"
+        "info = setup({'rank': 1, 'ranks': 2, 'platform': 'gpu', 'devices': ['2', '3'], 'distributed': None,"
+        " 'collectives': None, 'sys_path': []})\n"
+        "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['MGKIT_RANK'], info['rank'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"  # this machine has no GPU: jax itself runs on the CPU
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["2,3", "1", "1"], out.stdout
