@@ -182,6 +182,12 @@ class Group:
 
 
 _GROUP: list[Group] = []
+_FITTING = [0]  # fits running in this process (their loops beat at every step)
+
+
+def fitting() -> bool:
+    """Whether a fit is running in this process (a cluster's watchdog counts silences then only)."""
+    return _FITTING[0] > 0
 
 
 def install(rank: int, ranks: int) -> Group:
@@ -247,6 +253,7 @@ class Interrupts:
             self._fit.notice(PREEMPTED)
 
     def __enter__(self) -> Interrupts:
+        _FITTING[0] += 1
         if threading.current_thread() is threading.main_thread():
             g = group()
             self._old[signal.SIGINT] = signal.signal(signal.SIGINT, self._sigint)
@@ -256,6 +263,7 @@ class Interrupts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _FITTING[0] -= 1
         for signum, old in self._old.items():
             signal.signal(signum, old)
         if self.requested is not None and self._old.get(signal.SIGINT) is signal.default_int_handler:

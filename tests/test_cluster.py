@@ -265,6 +265,30 @@ def test_ctrl_c_stops_a_distributed_fit_at_one_step_on_every_rank_and_it_goes_on
         np.testing.assert_array_equal(np.load(cut / f"{rank}.npy"), np.load(whole / f"{rank}.npy"))
 
 
+def test_a_stalled_rank_is_reported_with_every_ranks_stacks(cluster):
+    stacks = cluster.stacks()  # on demand, between cells
+    assert sorted(stacks) == [0, 1] and all("File " in text for text in stacks.values()), stacks
+    hang = _CHECKPOINTED.replace("FOLDER", "None").replace(
+        "time.sleep(0.03)", "time.sleep(4 if step == 8 else 0.01)"
+    )
+    cluster.run_cell(hang)
+    before = cluster.stall_after
+    cluster.stall_after = 1.0
+    try:
+        with pytest.warns(mg.StallWarning) as caught:  # on_stall="warn": reported, the call goes on
+            cluster.run_cell("tr.fit(batches, steps=12, progress=False)")
+    finally:
+        cluster.stall_after = before
+    text = str(caught[0].message)
+    assert re.search(
+        r"rank \d \(.*\) stalled: no heartbeat for [\d.]+ s \(limit 1\.0 s; last completed step 7\)", text
+    )
+    assert "Python stacks of rank 0" in text and "Python stacks of rank 1" in text and "in batches" in text, (
+        text
+    )
+    assert [r.state for r in cluster.ranks] == ["ready", "ready"]
+
+
 def test_what_cannot_be_sent_is_named(cluster):
     lock = threading.Lock()
 
@@ -420,6 +444,17 @@ def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_clust
         assert c.run(lambda r, s, p: r * 10) == [0, 10] and victim not in {r.pid for r in c.ranks}
         _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path)
         _a_preempted_rank_saves_its_step_and_the_run_resumes_bit_for_bit(c, tmp_path)
+        c.stall_after, c.on_stall = 1.0, "raise"  # a stall ends the call, its ranks stopped
+        hang = _CHECKPOINTED.replace("FOLDER", "None").replace(
+            "time.sleep(0.03)", "time.sleep(60 if step == 5 else 0)"
+        )
+        t0 = time.monotonic()
+        with pytest.raises(mg.LaunchError, match=r"stalled: no heartbeat .*limit 1\.0 s") as info:
+            c.run_cell(hang + "tr.fit(batches, steps=10, progress=False)")
+        assert time.monotonic() - t0 < 30 and info.value.kind == "stalled"
+        assert "Python stacks of rank 0" in str(info.value) and "c.restart()" in str(info.value)
+        with pytest.raises(RuntimeError, match=r"stalled"):
+            c.run(lambda r, s, p: r)
     finally:
         c.close()
     deadline = time.monotonic() + 10

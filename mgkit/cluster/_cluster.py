@@ -13,31 +13,36 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
 
 from .._numbers import real, whole
-from .._stops import PreemptedError
 from .._table import html_table, text_table
+from .._watchdog import StallWarning
 from ..launching import (
     Failure,
     LaunchError,
     RankInfo,
     check_env,
     check_signature,
+    check_stall,
     coordinator_config,
     dumps,
     launch_error,
+    stacks_text,
+    steps_text,
 )
 from . import _guard, _rank
 from ._engines import LAUNCHERS, IPyParallel, Pending, device_groups, engine_env
+from ._report import HEADERS, interrupted, is_preempted, preempted_error, rows, title
 from ._stream import BATCH, RATE, SIZE, Streams
+from ._watch import Watch, stacks
 
 cloudpickle.register_pickle_by_value(_rank)  # engines must not import mgkit (and jax) to unpickle it
 
@@ -46,7 +51,6 @@ _OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "JA
 POLL = 0.05  # seconds between two looks at the ranks while a call runs
 INTERRUPT_WAIT = 2.0  # seconds the ranks have to stop after Ctrl-C
 _CURRENT: list[Cluster] = []  # the cluster %%mgkit_all runs on: the newest one still open
-HEADERS = ("rank", "host", "pid", "devices", "state", "last beat", "ready (s)", "calls")
 
 
 def current() -> Cluster | None:
@@ -78,6 +82,11 @@ class Cluster:
         transfers and throughput panels show every rank. Its last heartbeat (``mg.beat``) and
         its devices' memory readings go with the batches (``mg.Dashboard(cluster=c)`` shows
         them). ``c.stream(False)`` stops it.
+      stall_after: seconds without a heartbeat (``mg.beat``; a Trainer beats every step) after
+        which a rank in a fit has stalled; None: learned as ``mg.launch`` learns it (5 times its
+        slowest step, at least 10 s). The beats come with the streamed batches.
+      on_stall: ``"warn"``: a ``StallWarning`` with every rank's Python stacks, the call goes on;
+        ``"raise"``: the call ends in a ``LaunchError`` with them, its ranks stopped.
 
     >>> c = mg.Cluster(engines=2, devices_per_engine=2)   # doctest: +SKIP
     >>> c.run(lambda rank, shared, private: rank)          # doctest: +SKIP
@@ -95,6 +104,8 @@ class Cluster:
         timeouts: dict | None = None,
         env: dict[str, str] | None = None,
         stream: bool = True,
+        stall_after: float | None = None,
+        on_stall: str = "warn",
         _file: str | None = None,
     ):
         self.engines = whole(engines, "engines", _WHERE, lo=1, example=2, note="ranks to start")
@@ -112,6 +123,8 @@ class Cluster:
         if not isinstance(stream, bool):
             raise TypeError(f"{_WHERE}: stream must be True or False, got {stream!r}")
         self.streaming = stream
+        self.stall_after, self.on_stall = check_stall(stall_after, on_stall, _WHERE)
+        self._collectives: float | None = None  # the group's collectives timeout, in seconds
         self.launcher, self.distributed = launcher, distributed
         self.timeout = real(timeout, "timeout", _WHERE, lo=0, above=True, example=120, note="seconds")
         self._timeouts = timeouts
@@ -223,6 +236,7 @@ class Cluster:
             for r in range(n)
         ]
         ready = self._wait(self._engines.apply(_rank.setup, per_rank, wrapped=False), "start", quiet=True)
+        self._collectives = None if config is None else config["collectives"]
         self.hosts = tuple(hosts)
         self.streams = Streams(self._engines, n)
         if self.streaming:
@@ -297,12 +311,14 @@ class Cluster:
         self.calls += during == "run"
         for info in self.ranks:
             info.state = "running"
+        watch = Watch(self.ranks, self.stall_after, self._collectives) if streams is not None else None
         try:
             while not all(pending.done()):
                 if not quiet:
                     self._show(pending, shown)
                 if streams is not None:
                     streams.collect(pending)
+                    self._stalls(watch, pending, shown)
                 gone = self._gone(pending)
                 if gone is not None:
                     self._lose(gone, pending, shown)
@@ -365,7 +381,7 @@ class Cluster:
 
         done = pending.done()
         for info in self.ranks:
-            if done[info.rank] and _preempted(pending.result(info.rank)):
+            if done[info.rank] and is_preempted(pending.result(info.rank)):
                 continue
             try:
                 proc = psutil.Process(info.pid)
@@ -399,9 +415,10 @@ class Cluster:
                 self.ranks[r].state = "ready" if kind == "ok" else "raised" if kind == "error" else kind
         if not failed:
             return [value for _, value in outcomes]
-        preempted = [r for r in failed if _preempted(outcomes[r])]
+        preempted = [r for r in failed if is_preempted(outcomes[r])]
         if preempted:
-            raise self._preempted(outcomes, preempted)
+            self.lost, error = preempted_error(outcomes, preempted, self.ranks, self.hosts)
+            raise error
         root = failed[0]
         kind, facts = outcomes[root]
         host = self.hosts[root] if root < len(self.hosts) else "?"
@@ -425,27 +442,38 @@ class Cluster:
         results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
         raise launch_error(head + " (the cluster stays warm)", failure, self.ranks, root, results)
 
-    def _preempted(self, outcomes: list[tuple[str, Any]], ranks: list[int]) -> LaunchError:
-        """A rank's SIGTERM stopped every rank's fit at one step (saved where the trainer has a
-        checkpoint folder): the error naming the rank and the step; the preempted rank exits, so
-        the cluster is marked lost."""
-        message = outcomes[ranks[0]][1].get("message", "")
-        found = re.search(r"rank (\d+) was preempted", message)
-        root = int(found.group(1)) if found and int(found.group(1)) < self.engines else ranks[0]
-        what = message.split("(SIGTERM)", 1)[-1].strip() if "(SIGTERM)" in message else ""
-        host, pid = self.hosts[root], self.ranks[root].pid
+    def stacks(self) -> dict[int, str]:
+        """Every rank's Python stacks now (all threads; faulthandler's, so also of a rank whose
+        main thread waits in a collective), by rank."""
+        self._check_usable("Cluster.stacks")
+        return stacks(lambda ranks: self._signal(ranks, signal.SIGUSR1), self._engines, self.engines)
+
+    def _stalls(self, watch: Watch, pending: Pending, shown: list[int]) -> None:
+        """Ranks silent past their stall limit (``mg.launch``'s): with ``on_stall="warn"`` a
+        ``StallWarning`` with every rank's stacks; with ``"raise"`` the call ends in a
+        LaunchError with them, the ranks stopped (the cluster needs ``c.restart()``)."""
+        found = watch.check(pending.done(), self.streams.fitting)
+        if not found:
+            return
+        taken = self.stacks()
+        for s in found:
+            info = self.ranks[s.rank]
+            last = "no step yet" if info.step is None else f"last completed step {info.step}"
+            info.reason = f"stalled: no heartbeat for {s.silent:.1f} s (limit {s.limit:.1f} s; {last})"
+        first = min(found, key=lambda s: (self.ranks[s.rank].step or 0, -s.silent, s.rank)).rank
+        head = f"rank {first} ({self.hosts[first]}, pid {self.ranks[first].pid}) {self.ranks[first].reason}"
+        if self.on_stall == "warn":
+            lines = [f"mg.Cluster: {head}", steps_text(self.ranks), stacks_text(taken)]
+            warnings.warn("\n".join(lines), StallWarning, stacklevel=4)
+            return
+        self._show(pending, shown, final=True)
         for info in self.ranks:
-            info.state = "preempted" if info.rank == root else "stopped"
-            info.reason = None if info.rank == root else f"stopped with rank {root} (SIGTERM to rank {root})"
-        self.lost = f"rank {root} ({host}, pid {pid}) was preempted (SIGTERM) and exits"
-        head = (
-            f"rank {root} ({host}, pid {pid}) was preempted (SIGTERM){what}. Rank {root} exits, so call "
-            "c.restart() first"
-        )
-        facts = outcomes[root][1] if outcomes[root][0] == "error" else outcomes[ranks[0]][1]
-        failure = Failure("signal", head, PreemptedError.__name__, facts.get("traceback", ""))
-        results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
-        return launch_error(head, failure, self.ranks, root, results)
+            info.state = "stalled" if any(s.rank == info.rank for s in found) else "stopped"
+        self._kill_engines()
+        self.lost = f"{head}; its ranks were stopped"
+        failure = Failure("stalled", head, stacks=taken)
+        results = [None] * self.engines
+        raise launch_error(f"{self.lost}: call c.restart()", failure, self.ranks, first, results)
 
     def _interrupt(self, pending: Pending, shown: list[int]) -> None:
         """Ctrl-C: SIGINT to every rank still running (a fit stops at the step boundary the ranks
@@ -463,19 +491,7 @@ class Cluster:
                     time.sleep(POLL)
         with contextlib.suppress(Exception):
             self._show(pending, shown, final=True)
-        lines = []
-        for info, finished in zip(self.ranks, pending.done(), strict=False):
-            host = self.hosts[info.rank] if info.rank < len(self.hosts) else "?"
-            if not finished:
-                info.state = "running"
-                what = f"still running {INTERRUPT_WAIT:g} s after Ctrl-C: the next call waits for it"
-            else:
-                info.state = "ready"
-                kind, facts = pending.result(info.rank)
-                what = "had finished" if kind == "ok" else f"{facts.get('type')}: {facts.get('message', '')}"
-            lines.append(f"  rank {info.rank} ({host}): {(what.splitlines() or [''])[0]}")
-        head = "Ctrl-C stopped the call on the ranks; the cluster stays warm:"
-        raise KeyboardInterrupt("\n".join([head, *lines]))
+        raise interrupted(self.ranks, self.hosts, pending, INTERRUPT_WAIT)
 
     def _signal(self, ranks: list[int], signum: int) -> None:
         """``signum`` to these ranks: straight to the processes this machine started, else
@@ -542,34 +558,11 @@ class Cluster:
 
     # -- showing ------------------------------------------------------------------------------
 
-    def _rows(self) -> list[tuple]:
-        return [
-            (
-                r.rank,
-                self.hosts[r.rank] if r.rank < len(self.hosts) else "?",
-                r.pid,
-                ",".join(r.devices),
-                r.state if not self.closed else "closed",
-                r.beat_text(),
-                "" if r.ready_seconds is None else round(r.ready_seconds, 2),
-                self.calls,
-            )
-            for r in self.ranks
-        ]
-
-    def _title(self) -> str:
-        state = "closed" if self.closed else self.lost or "warm"
-        group = "one jax.distributed group" if self.distributed and self.engines > 1 else "no jax.distributed"
-        return (
-            f"mgkit cluster: {self.engines} rank(s) x {self.devices_per_engine} device(s), {self.launcher} "
-            f"launcher, {group}; {state}; started in {self.start_seconds:.1f} s"
-        )
-
     def __repr__(self) -> str:
-        return text_table(HEADERS, self._rows(), self._title())
+        return text_table(HEADERS, rows(self), title(self))
 
     def _repr_html_(self) -> str:
-        return html_table(HEADERS, self._rows(), self._title())
+        return html_table(HEADERS, rows(self), title(self))
 
     # -- batch systems ------------------------------------------------------------------------
 
@@ -589,9 +582,3 @@ class Cluster:
                 "(the local launcher runs processes on this machine)"
             )
         return launcher_script(n, launcher)
-
-
-def _preempted(outcome: tuple[str, Any]) -> bool:
-    """Whether a rank's outcome is the ``PreemptedError`` of a preemption."""
-    kind, facts = outcome
-    return kind == "error" and isinstance(facts, dict) and facts.get("type") == PreemptedError.__name__

@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -241,31 +242,26 @@ class IPyParallel(Engines):
             self.client.send_signal(signum, targets=[ids[r] for r in ranks], block=True)
 
     def ended(self, pid: int, wait: float = 3.0) -> str:
-        """ "signal SIGKILL", "exit code 1" or "exited", from the launcher that started ``pid``
-        (its exit status, or what reaping it here says; the launcher may be reaping it meanwhile,
-        so this looks again for up to ``wait`` seconds)."""
-        cluster = self.cluster
-        children = [
-            child
-            for engine_set in getattr(cluster, "engines", {}).values()
-            for child in getattr(engine_set, "launchers", {}).values()
-            if getattr(getattr(child, "process", None), "pid", None) == pid
-        ]
-        deadline = time.monotonic() + wait
-        while children:
-            child = children[0]
-            code = (getattr(child, "stop_data", None) or {}).get("exit_code")
-            if code is None:  # not reaped by the launcher yet: reap it here (our child)
-                with contextlib.suppress(Exception):
-                    code = child.process.wait(timeout=0.05)
-            if code is not None:
-                with contextlib.suppress(ValueError):
-                    if int(code) < 0:
-                        return f"signal {signal.Signals(-int(code)).name}"
-                return f"exit code {int(code)}"
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        """ "signal SIGKILL", "exit code 1" or "exited", from the process's exit status: reaped
+        here where it is still a zombie, else as ipyparallel's launcher reaped it (its waiting
+        thread, given up to ``wait`` seconds: two waits at once could lose the status)."""
+        with contextlib.suppress(ChildProcessError, OSError):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == pid:
+                return _status_text(os.waitstatus_to_exitcode(status))
+        for waiter in [t for t in threading.enumerate() if t.name == f"wait(pid={pid})"]:
+            waiter.join(wait)
+        for engine_set in getattr(self.cluster, "engines", {}).values():
+            for child in getattr(engine_set, "launchers", {}).values():
+                process = getattr(child, "process", None)
+                if getattr(process, "pid", None) != pid:
+                    continue
+                code = (getattr(child, "stop_data", None) or {}).get("exit_code")
+                if code is None:
+                    with contextlib.suppress(Exception):  # psutil keeps the status its wait read
+                        code = process.wait(timeout=0)
+                if code is not None:
+                    return _status_text(int(code))
         return "exited"
 
     def stop(self) -> None:
@@ -326,3 +322,11 @@ def device_groups(hosts: Sequence[str], per: int) -> list[tuple[str, Any]]:
         seen[host] = k + 1
         out.append(("gpu", [str(i) for i in range(k * per, (k + 1) * per)]))
     return out
+
+
+def _status_text(code: int) -> str:
+    """An exit code in words: "signal SIGKILL" (negative: the signal) or "exit code 1"."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    return f"exit code {code}"

@@ -70,9 +70,40 @@ def setup(config: dict) -> dict:
         initialize_distributed({**config["distributed"], "process_id": config["rank"]})
     install(config["rank"], config["ranks"] if config["distributed"] is not None else 1)
     _plain_tracebacks()
+    _answer_stacks(config["rank"])
     kept.update(rank=config["rank"], ranks=config["ranks"], ready=time.perf_counter() - t0)
     kept["devices"] = tuple(short_name(d) for d in jax.local_devices())
     return info()
+
+
+def _answer_stacks(rank: int) -> None:
+    """SIGUSR1 makes faulthandler write every thread's stack into a file of this engine's (even
+    while the main thread waits in a collective); a watcher thread publishes what it wrote."""
+    import faulthandler
+    import signal
+    import tempfile
+    import threading
+
+    out = tempfile.TemporaryFile("w+")  # noqa: SIM115 - open for the engine's life
+    faulthandler.register(signal.SIGUSR1, file=out, all_threads=True)
+
+    def watch() -> None:
+        from ipyparallel.datapub import publish_data
+
+        seen, seq = 0, 0
+        while True:
+            time.sleep(0.1)
+            size = os.fstat(out.fileno()).st_size
+            if size > seen:
+                time.sleep(0.1)  # the whole of it
+                with open(out.fileno(), closefd=False, errors="replace") as f:
+                    f.seek(seen)
+                    text = f.read()
+                seen += len(text.encode())
+                seq += 1
+                publish_data({f"mgkit-stacks-{rank:05d}-{seq:09d}": text})
+
+    threading.Thread(target=watch, name="mgkit-stacks", daemon=True).start()
 
 
 def _plain_tracebacks() -> None:
@@ -255,6 +286,11 @@ def news(kept: dict) -> dict:
     out: dict = {}
     if "detach" not in kept:  # not streaming
         return out
+    from .._stops import fitting
+
+    now = fitting()
+    if now != kept.get("fitting_sent", False):
+        kept["fitting_sent"] = out["fitting"] = now
     beat = last_beat()
     if beat.count and beat.count != kept.get("beat_sent"):
         kept["beat_sent"] = beat.count

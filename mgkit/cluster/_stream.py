@@ -82,6 +82,7 @@ class Streams:
         self.messages = [0] * ranks  # batches read per rank
         self.dropped = [0] * ranks  # entries each rank could not hold
         self.heard: list[float | None] = [None] * ranks  # time.time() of each rank's last message
+        self.fitting = [False] * ranks  # each rank runs a fit (it beats every step)
         self.infos: Sequence[Any] = ()  # the cluster's RankInfo per rank: their beats are set here
         self._memory: dict[str, collections.deque[RankSample]] = {}  # per rank context, newest last
         self._lock = threading.Lock()  # the memory samples are read by the views' thread
@@ -107,6 +108,8 @@ class Streams:
         self.dropped[rank] += int(dropped)
         self.heard[rank] = time.time()
         news = news or {}
+        if "fitting" in news:
+            self.fitting[rank] = bool(news["fitting"])
         beat = news.get("beat")  # a LastBeat
         if beat is not None and rank < len(self.infos):
             self.infos[rank].step, self.infos[rank].beat_at = beat.step, beat.wall

@@ -12,7 +12,8 @@ For ``mg.Cluster``, which keeps ranks warm and shares a launch's promises: ``che
 ``check_env`` and ``dumps`` (what can be sent, the unpicklable part named), ``coordinator_config`` and
 ``initialize_distributed`` (jax.distributed's address, timeouts and joining it, gloo on the
 loopback address), ``RankInfo``, ``Failure`` and ``launch_error`` (one error naming every
-rank's fate), ``gpu_ids`` (the GPUs ranks can own)."""
+rank's fate), ``gpu_ids`` (the GPUs ranks can own), ``check_stall``, ``silences`` and
+``Silence`` (the stall limits and which ranks passed theirs)."""
 
 from .._beat import beat as beat
 from ._check import check_signature as check_signature
@@ -25,6 +26,7 @@ from ._launch import current as current
 from ._launch import launch as launch
 from ._plan import CoresWarning as CoresWarning
 from ._plan import check_env as check_env
+from ._plan import check_stall as check_stall
 from ._plan import coordinator_config as coordinator_config
 from ._plan import gpu_ids as gpu_ids
 from ._result import TAIL as TAIL
@@ -33,6 +35,10 @@ from ._result import LaunchError as LaunchError
 from ._result import LaunchResult as LaunchResult
 from ._result import RankInfo as RankInfo
 from ._result import launch_error as launch_error
+from ._result import stacks_text as stacks_text
+from ._result import steps_text as steps_text
+from ._watch import Silence as Silence
+from ._watch import silences as silences
 from ._worker import add_commands as add_commands
 
 __all__ = [
@@ -44,10 +50,12 @@ __all__ = [
     "RankEvent",
     "RankInfo",
     "Running",
+    "Silence",
     "add_commands",
     "beat",
     "check_env",
     "check_signature",
+    "check_stall",
     "coordinator_config",
     "current",
     "dumps",
@@ -56,4 +64,7 @@ __all__ = [
     "launch",
     "launch_error",
     "rank_event",
+    "silences",
+    "stacks_text",
+    "steps_text",
 ]

@@ -244,6 +244,20 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def check_stall(stall_after: Any, on_stall: Any, where: str) -> tuple[float | None, str]:
+    """``stall_after`` (seconds above 0, or None: learned) and ``on_stall`` ('raise' or 'warn'),
+    checked."""
+    if stall_after is not None:
+        stall_after = real(stall_after, "stall_after", where, lo=0, example=30)
+        if stall_after <= 0:
+            raise ValueError(
+                f"{where}: stall_after must be above 0 seconds (or None to learn it), got {stall_after}"
+            )
+    if on_stall not in ("raise", "warn"):
+        raise ValueError(f"{where}: on_stall must be 'raise' or 'warn', got {_short(on_stall)}")
+    return stall_after, on_stall
+
+
 def coordinator_config(coordinator: Any, nprocs: int, timeouts: Any) -> dict:
     if nprocs < 2:
         raise ValueError(
@@ -321,12 +335,7 @@ def plan(
         if timeout <= 0:
             raise ValueError(f"timeout must be above 0 seconds (or None for no limit), got {timeout}")
     grace = real(grace, "grace", "mg.launch", lo=0, example=5.0, note="seconds between SIGTERM and SIGKILL")
-    if stall_after is not None:
-        stall_after = real(stall_after, "stall_after", "mg.launch", lo=0, example=30)
-        if stall_after <= 0:
-            raise ValueError(f"stall_after must be above 0 seconds (or None to learn it), got {stall_after}")
-    if on_stall not in ("raise", "warn"):
-        raise ValueError(f"on_stall must be 'raise' or 'warn', got {_short(on_stall)}")
+    stall_after, on_stall = check_stall(stall_after, on_stall, "mg.launch")
     extra = check_env(env)
     platform, groups, nprocs = _counts(nprocs, private, devices_per_process)
     if coordinator is not None and not distributed:

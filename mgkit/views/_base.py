@@ -336,8 +336,8 @@ def check_cluster(cluster: Any, where: str) -> Any:
         )
     if cluster.closed:
         raise ValueError(
-            f"{where}: cluster={cluster._title()!r} is closed, so it has no ranks to show; start a new "
-            "one (c = mg.Cluster(...)) and pass that, or pass cluster=None"
+            f"{where}: cluster={repr(cluster).splitlines()[0]!r} is closed, so it has no ranks to show; "
+            "start a new one (c = mg.Cluster(...)) and pass that, or pass cluster=None"
         )
     return cluster
 
