@@ -33,7 +33,7 @@ from typing import Any
 
 INTERRUPTED = "interrupted"  # Ctrl-C, at a step boundary
 PREEMPTED = "preempted"  # SIGTERM (a scheduler's preemption), at a step boundary, the state saved
-GRACE = 2.0  # seconds a Ctrl-C just after a fit stopped for one is taken as that one
+GRACE = 2.0  # seconds a rank takes a Ctrl-C just after a fit stopped for one as that one
 LEAD = 2  # boundaries past the furthest rank's post at which every rank stops
 _WAIT_MS = 1000  # the watcher's blocking read, in slices (so it notices a fit that ended)
 
@@ -266,7 +266,8 @@ class Interrupts:
         _FITTING[0] -= 1
         for signum, old in self._old.items():
             signal.signal(signum, old)
-        if self.requested is not None and self._old.get(signal.SIGINT) is signal.default_int_handler:
+        late = self.requested is not None and group() is not None  # a rank: its kernel may signal again
+        if late and self._old.get(signal.SIGINT) is signal.default_int_handler:
             signal.signal(signal.SIGINT, _Late(time.monotonic() + GRACE))
         self._old.clear()
         g = group()
@@ -276,10 +277,10 @@ class Interrupts:
 
 
 class _Late:
-    """SIGINT just after a fit stopped for one: a Ctrl-C already acted on (a cluster sends its
-    ranks a second one), not a new one to raise while the fit's KeyboardInterrupt is on its way
-    out; after ``until`` (``time.monotonic()``) Ctrl-C raises as ever. A notebook's next cell
-    starts with Python's handler again."""
+    """In a cluster's rank, SIGINT just after a fit stopped for one: the same Ctrl-C (the kernel
+    sends a second to ranks still running after a second), not a new one to raise while the
+    fit's KeyboardInterrupt is on its way out; after ``until`` (``time.monotonic()``) it raises
+    as ever. The engine's next cell starts with Python's handler again."""
 
     def __init__(self, until: float):
         self.until = until
