@@ -550,10 +550,16 @@ def test_batch_launchers_scripts_are_generated_not_run(launcher, words):
 def test_on_gpus_each_engine_takes_its_own_cuda_devices_by_its_place_on_its_host(monkeypatch, tmp_path):
     from mgkit.cluster import _engines
 
-    monkeypatch.setattr(_engines, "gpu_ids", lambda: [0, 1, 2, 3])
+    monkeypatch.setattr(_engines, "gpu_ids", lambda: ["0", "1", "2", "3"])
     groups = _engines.device_groups(["a", "a", "b", "a"], 1)
     assert groups == [("gpu", ["0"]), ("gpu", ["1"]), ("gpu", ["0"]), ("gpu", ["2"])]
     assert _engines.device_groups(["a", "a"], 2) == [("gpu", ["0", "1"]), ("gpu", ["2", "3"])]
+    before = _ours()
+    with pytest.raises(ValueError, match=r"needs 6 GPUs, and this machine has 4 \(CUDA ids 0, 1, 2, 3\)"):
+        mg.Cluster(engines=2, devices_per_engine=3)  # more devices per engine than exist
+    assert not _ours() - before  # refused before anything started
+    monkeypatch.setattr(_engines, "gpu_ids", lambda: ["4", "6"])  # CUDA_VISIBLE_DEVICES=4,6 here
+    assert _engines.device_groups(["a", "a"], 1) == [("gpu", ["4"]), ("gpu", ["6"])]
     monkeypatch.setattr(_engines, "gpu_ids", lambda: [])
     assert _engines.device_groups(["a", "a"], 2) == [("cpu", 2), ("cpu", 2)]  # simulated devices
     # what the engine does with its group: its CUDA_VISIBLE_DEVICES, before jax is imported

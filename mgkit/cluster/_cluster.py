@@ -39,7 +39,7 @@ from ..launching import (
     steps_text,
 )
 from . import _guard, _rank
-from ._engines import LAUNCHERS, IPyParallel, Pending, device_groups, engine_env
+from ._engines import LAUNCHERS, IPyParallel, Pending, check_gpus, device_groups, engine_env
 from ._report import HEADERS, interrupted, is_preempted, preempted_error, rows, title
 from ._stream import BATCH, RATE, SIZE, Streams
 from ._watch import Watch, stacks
@@ -130,6 +130,8 @@ class Cluster:
         self._timeouts = timeouts
         self._env = check_env(env, _WHERE, _OWN_ENV, "from devices_per_engine; remove it")
         self._file = _file
+        if launcher == "local" and _file is None:
+            check_gpus(self.engines, self.devices_per_engine, _WHERE)
         self.closed = False
         self.lost: str | None = None  # why the cluster can run nothing until c.restart()
         self.ranks: tuple[RankInfo, ...] = ()

@@ -310,17 +310,33 @@ def engine_env() -> dict[str, str]:
     return {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
 
+def check_gpus(engines: int, per: int, where: str) -> None:
+    """On a machine with GPUs, ``engines`` local engines of ``per`` GPUs each must fit on them."""
+    gpus = gpu_ids()
+    if gpus and engines * per > len(gpus):
+        fit = max(len(gpus) // engines, 1)
+        raise ValueError(
+            f"{where}: engines={engines} x devices_per_engine={per} needs {engines * per} GPUs, and this "
+            f"machine has {len(gpus)} (CUDA ids {', '.join(gpus)}); use devices_per_engine={fit} or "
+            f"engines={max(len(gpus) // per, 1)}"
+        )
+
+
 def device_groups(hosts: Sequence[str], per: int) -> list[tuple[str, Any]]:
     """Per rank: ("cpu", how many simulated devices) on a machine without GPUs, else ("gpu", its
-    CUDA ids by its place on its host: the k-th engine of a host takes ids k*per .. k*per + per - 1)."""
-    if not gpu_ids():
+    CUDA ids by its place on its host: the k-th engine of a host takes the k-th ``per`` of the
+    GPUs this machine's engines may own (``CUDA_VISIBLE_DEVICES`` here, else all), or ids
+    k*per .. k*per + per - 1 where a host has more)."""
+    pool = gpu_ids()
+    if not pool:
         return [("cpu", per)] * len(hosts)
     seen: dict[str, int] = {}
     out = []
     for host in hosts:
         k = seen.get(host, 0)
         seen[host] = k + 1
-        out.append(("gpu", [str(i) for i in range(k * per, (k + 1) * per)]))
+        ids = pool[k * per : (k + 1) * per]
+        out.append(("gpu", ids if len(ids) == per else [str(i) for i in range(k * per, (k + 1) * per)]))
     return out
 
 
