@@ -15,7 +15,8 @@ in a collective for peers that had stopped. How they agree:
    share a collective keep the ranks within one step of each other (two, with losses read one
    step late), so every rank knows that boundary before it reaches it, and no step waits for a
    peer that stopped. Ranks whose steps share nothing stop at once where they are past it.
-3. A second Ctrl-C stops a rank at its next boundary without waiting for the others.
+3. A second Ctrl-C to a rank stops it at its next boundary without waiting for the others
+   (a peer that goes on may then wait in a collective: it is the user's explicit choice).
 
 Nothing here costs a step anything until a signal comes: the watcher thread waits in the store's
 blocking read (without the GIL), and the boundary check is one attribute until a request is noted.
@@ -224,6 +225,7 @@ class Interrupts:
         self.requested: str | None = None
         self.by: int | None = None
         self.forced = False  # a second Ctrl-C: stop at the next boundary, agreed or not
+        self._sigints = 0  # Ctrl-Cs this process got during the fit
         self._old: dict[int, Any] = {}
         self._fit: _GroupFit | None = None
 
@@ -240,7 +242,8 @@ class Interrupts:
         return self.forced or self._fit is None or self._fit.agreed(done)
 
     def _sigint(self, signum: int, frame: Any) -> None:
-        if self.requested is not None:
+        self._sigints += 1
+        if self._sigints > 1:  # this rank's own second Ctrl-C (a peer's notice is not one)
             self.forced = True
         self.note(INTERRUPTED)
         if self._fit is not None:

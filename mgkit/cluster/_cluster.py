@@ -479,18 +479,20 @@ class Cluster:
 
     def _interrupt(self, pending: Pending, shown: list[int]) -> None:
         """Ctrl-C: SIGINT to every rank still running (a fit stops at the step boundary the ranks
-        agree on, its state kept), and after a second again to those still running (a fit then
-        stops at its next boundary, agreed or not). Raises KeyboardInterrupt saying where each
-        rank stopped; a rank still running after ``INTERRUPT_WAIT`` seconds is named as such."""
-        t0 = time.monotonic()
-        for share in (0.5, 1.0):
-            running = [r for r, d in enumerate(pending.done()) if not d]
-            if not running:
-                break
-            self._signal(running, signal.SIGINT)
-            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C again: the same, sooner
-                while not all(pending.done()) and time.monotonic() < t0 + share * INTERRUPT_WAIT:
-                    time.sleep(POLL)
+        agree on, its state kept), and a wait of up to ``INTERRUPT_WAIT`` seconds for them; a
+        second Ctrl-C meanwhile sends the ranks still running a second SIGINT (a fit then stops
+        at its next boundary, agreed or not). Raises KeyboardInterrupt saying where each rank
+        stopped, or that it still runs (its fit stops at the agreed boundary; the next call
+        waits for it)."""
+        self._signal([r for r, d in enumerate(pending.done()) if not d], signal.SIGINT)
+        deadline, again = time.monotonic() + INTERRUPT_WAIT, False
+        while not all(pending.done()) and time.monotonic() < deadline:
+            try:
+                time.sleep(POLL)
+            except KeyboardInterrupt:
+                if not again:
+                    self._signal([r for r, d in enumerate(pending.done()) if not d], signal.SIGINT)
+                    again = True
         with contextlib.suppress(Exception):
             self._show(pending, shown, final=True)
         raise interrupted(self.ranks, self.hosts, pending, INTERRUPT_WAIT)
