@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({launched / second:.0f}x the warm cell)"
         )
         print(
-            f"  100 steps with each rank's ledger streamed to the kernel, against without: median "
+            f"  {args.loop} steps with each rank's ledger streamed to the kernel, against without: median "
             f"{statistics.median(timed[True]):.3f} s vs {statistics.median(timed[False]):.3f} s, "
             "paired ratio "
             f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}] over {args.rounds} rounds "
