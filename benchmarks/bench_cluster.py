@@ -3,14 +3,14 @@
 
 Usage::
 
-    python benchmarks/bench_cluster.py [--engines 2 4] [--devices 2] [--steps 1] [--rounds 6]
+    python benchmarks/bench_cluster.py [--engines 2 4] [--devices 2] [--steps 1] [--rounds 6] [--loop 100]
 
 For each engine count: the time to start the cluster (engines up, devices chosen, one
 jax.distributed group formed); a cell that makes an ``mg.Trainer`` and runs ``--steps`` steps,
 then the same steps again in a later cell (start to result of each, the second's share of the
 first, and the compilations the second did, counted in every rank); ``mg.launch`` running the
-same steps in fresh processes (its peer: what every call costs without warm ranks); 100 steps
-with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired), and
+same steps in fresh processes (its peer: what every call costs without warm ranks); ``--loop``
+steps with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired), and
 the messages a second each rank sent meanwhile; Ctrl-C in a long fit (the seconds to the
 KeyboardInterrupt, the step each rank stopped at); SIGTERM to a rank in a checkpointed fit (the
 seconds to the LaunchError, then ``c.restart()`` and the fit resumed to its end); then a rank
