@@ -39,7 +39,7 @@ from ..launching import (
     steps_text,
 )
 from . import _guard, _rank
-from ._engines import LAUNCHERS, IPyParallel, Pending, check_gpus, device_groups, engine_env
+from ._engines import LAUNCHERS, IPyParallel, Pending, check_gpus, device_groups, engine_env, family, reap
 from ._report import HEADERS, interrupted, is_preempted, preempted_error, rows, title
 from ._stream import BATCH, RATE, SIZE, Streams
 from ._watch import Watch, stacks
@@ -539,8 +539,11 @@ class Cluster:
         if self._engines is not None:
             if self._file is None and self.lost:  # the survivors may sit in a collective: no goodbye
                 self._kill_engines()
+            local = [r.pid for r in self.ranks] if self.launcher == "local" else []  # no pid of another host
+            mine = family([] if self._file is not None else [*self._engines.started(), *local])
             self._engines.stop()
             self._engines = None
+            reap(mine)
 
     def close(self) -> None:
         """Stops the engines and the controller it started (a connected cluster: disconnects);

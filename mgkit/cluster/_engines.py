@@ -346,3 +346,27 @@ def _status_text(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
     return f"exit code {code}"
+
+
+def family(pids: Sequence[int]) -> list:
+    """These processes and their descendants (an engine's nanny too), as psutil processes."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]
+    return procs
+
+
+def reap(procs: Sequence[Any], wait: float = 5.0) -> None:
+    """Waits (at most ``wait`` seconds) for the processes a cluster started (``family``) to end
+    after it stopped them, and kills those still there: ``close()`` returns with none left."""
+    import psutil
+
+    _, alive = psutil.wait_procs(list(procs), timeout=wait)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=1.0)
