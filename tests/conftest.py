@@ -17,7 +17,26 @@ if os.environ.get("MGKIT_TEST_ACCELERATORS") != "1":
 os.environ.pop("MGKIT_CONTEXTS", None)
 os.environ["MGKIT_SIMULATE"] = "8"
 
-import jax
+# XLA's CPU compiler takes most of the suite's time (3 s for a solver's loop on CI's two cores).
+# Unoptimised and without its newer fusion emitters it compiles the suite's small programs three
+# times as fast (the suite took 30 minutes without, 17 with); the tests check what programs
+# compute, not how XLA builds them (a test of compile times uses the defaults:
+# ``default_compiler``). An XLA without these flags aborts on them, so a child process tries
+# them first (once: xdist's workers inherit the result).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if os.environ.get("MGKIT_TEST_FAST_COMPILE") is None:
+    _flags = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+    _probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+        env={**os.environ, "XLA_FLAGS": _flags, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        timeout=120,
+    )
+    os.environ["MGKIT_TEST_FAST_COMPILE"] = "1" if _probe.returncode == 0 else "0"
+    if _probe.returncode == 0:
+        os.environ["XLA_FLAGS"] = _flags
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -41,9 +60,36 @@ def _fresh_contexts():
     mg.ledger().flush()
 
 
+def child_env(*drop: str) -> dict[str, str]:
+    """The tests' environment for a fresh process that picks its own devices: without
+    ``MGKIT_SIMULATE`` (nor ``drop``), and with no XLA flag but the tests' compile flag."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS", *drop)}
+    if os.environ.get("MGKIT_TEST_FAST_COMPILE") == "1":
+        env["XLA_FLAGS"] = FAST_COMPILE
+    return env
+
+
+@contextlib.contextmanager
+def default_compiler():
+    """Processes started inside compile with XLA's default flags (for a test of compile times)."""
+    kept = os.environ.get("XLA_FLAGS")
+    flags = " ".join(f for f in (kept or "").split() if f not in FAST_COMPILE.split())
+    if flags:
+        os.environ["XLA_FLAGS"] = flags
+    else:
+        os.environ.pop("XLA_FLAGS", None)
+    try:
+        yield
+    finally:
+        if kept is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = kept
+
+
 def run_python(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Runs code in a fresh Python process (for device counts and start-up order)."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    full_env = child_env()
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

@@ -21,7 +21,7 @@ import pytest
 import mgkit as mg
 from mgkit.train import _checkpoint
 from mgkit.train._checkpoint import Checkpoints
-from tests.conftest import run_python
+from tests.conftest import child_env, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,7 +179,7 @@ print("saved", flush=True)
 
 @pytest.mark.timeout(120)
 def test_kill_during_save_leaves_the_previous_checkpoint():
-    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    env = child_env()
     env["PYTHONPATH"] = str(ROOT)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with tempfile.TemporaryDirectory() as tmp:  # removed at the end: it holds 200 MB

@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_suite  # noqa: E402
 
+from tests.conftest import child_env  # noqa: E402
+
 TITLES = [p.title.format(gpu="cpu0", host="cpu1") for p in gpu_suite.PARTS]
 HEADING = re.compile(
     r"^## GPU checks, \d{4}-\d\d-\d\d \d\d:\d\d UTC: .+, jax \S+, jaxlib \S+, Python \S+$", re.M
@@ -31,7 +33,7 @@ DRY_RUN_LIMIT = 260
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    env = child_env()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env

@@ -156,17 +156,23 @@ def test_exit_code_and_signal_detected_fast(how, kind, words):
     _no_children()
 
 
-def test_every_rank_raises_the_first_is_the_cause_the_others_failed_too():
+def test_every_rank_raises_the_first_is_the_cause_the_others_failed_too(tmp_path):
     def work(rank, shared, private):
+        import os
         import time
 
-        time.sleep(0.5 * rank)
+        if rank == 1:  # raises after rank 0 has (a sleep alone loses to a slow start under load)
+            while not os.path.exists(shared):
+                time.sleep(0.01)
+            time.sleep(0.5)
+        else:
+            open(shared, "w").close()
         raise RuntimeError(f"rank {rank} gives up")
 
     with pytest.raises(
         mg.LaunchError, match=r"^rank 0 \(pid \d+\) raised RuntimeError: rank 0 gives up"
     ) as info:
-        mg.launch(work, nprocs=2, grace=2.0, stream=False)
+        mg.launch(work, nprocs=2, shared=str(tmp_path / "rank0-raised"), grace=2.0, stream=False)
     second = info.value.ranks[1]
     assert second.state in ("failed", "terminated"), second
     if second.state == "failed":
@@ -301,7 +307,9 @@ def test_kernel_killed_children_exit_within_a_second(tmp_path):
             """
         )
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    from tests.conftest import child_env  # here: the ranks import this module, and no conftest
+
+    env = child_env()
     env["TMPDIR"] = str(tmp_path)  # where the launch makes its folder, which the ranks remove
     kernel = subprocess.Popen([sys.executable, "-u", str(script)], stdout=subprocess.PIPE, text=True, env=env)
     pids = []

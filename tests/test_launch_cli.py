@@ -1,7 +1,6 @@
 """`mgkit worker` under a launcher of its own (here: 4 local processes standing for 2 hosts x 2
 processes, all on 127.0.0.1) and `mgkit run --devices`."""
 
-import os
 import pickle
 import socket
 import subprocess
@@ -10,6 +9,8 @@ import textwrap
 
 import psutil
 import pytest
+
+from tests.conftest import child_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,7 +30,7 @@ def work(rank, shared, private):
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    env = child_env()
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -176,7 +176,7 @@ def test_predictions_are_pure_and_jittable(small):
     proba = np.asarray(jax.jit(lr.predict_proba)(m, X))
     assert proba.shape == (len(X), 2) and np.allclose(proba.sum(1), 1)
     assert float(jax.jit(lr.score)(m, X, y)) == pytest.approx(float(lr.score(m, X, y)))
-    assert m.info.history()[0] == pytest.approx(np.log(2), rel=1e-6)  # zeros: p = 1/2
+    assert m.info.history()[0] == pytest.approx(np.log(2), rel=1e-5)  # zeros: p = 1/2 (float32 mean)
     assert np.all(np.diff(m.info.history()) <= 1e-7)  # the objective never rises
 
 

@@ -2,7 +2,6 @@
 interrupts, NaN, data sources, events and bad input."""
 
 import _thread
-import os
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 import mgkit as mg
 from mgkit.train import _data
+from tests.conftest import child_env
 
 STEPS = 200
 
@@ -317,7 +317,7 @@ _CHILD = textwrap.dedent(
 def test_sigint_in_a_subprocess_returns_within_a_second_with_a_consistent_state(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
-    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -582,7 +582,7 @@ _KILLED = textwrap.dedent(
 def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_result(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(_KILLED)
-    env = {k: v for k, v in os.environ.items() if k not in ("MGKIT_SIMULATE", "XLA_FLAGS")}
+    env = child_env()
 
     def python(*args, **kw):
         return subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, text=True, **kw)
