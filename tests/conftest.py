@@ -7,9 +7,11 @@ to let JAX see the accelerators as well (tests that assume a CPU-only machine th
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 if os.environ.get("MGKIT_TEST_ACCELERATORS") != "1":
@@ -36,6 +38,14 @@ if os.environ.get("MGKIT_TEST_FAST_COMPILE") is None:
     if _probe.returncode == 0:
         os.environ["XLA_FLAGS"] = _flags
 
+# Every process of a run loads a program compiled earlier in the run instead of compiling it
+# again (the fresh processes the tests start -- notebooks, launched ranks, engines -- compile the
+# same programs): JAX's persistent cache, in a folder of this run's own, removed at its end.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mgkit-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    os.environ["MGKIT_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -49,6 +59,11 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 import pytest  # noqa: E402
 
 import mgkit as mg  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("MGKIT_TEST_XLA_CACHE_OWNER") == str(os.getpid()):  # the run's first process
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
