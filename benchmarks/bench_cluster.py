@@ -10,9 +10,10 @@ jax.distributed group formed); a cell that makes an ``mg.Trainer`` and runs ``--
 then the same steps again in a later cell (start to result of each, the second's share of the
 first, and the compilations the second did, counted in every rank); ``mg.launch`` running the
 same steps in fresh processes (its peer: what every call costs without warm ranks); ``--loop``
-steps with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired), and
-the messages a second each rank sent meanwhile; Ctrl-C in a long fit (the seconds to the
-KeyboardInterrupt, the step each rank stopped at); SIGTERM to a rank in a checkpointed fit (the
+steps with each rank's ledger streamed to the kernel and without, in turn (``--rounds``, paired;
+timed in the ranks, and as the kernel's call), and the messages a second each rank sent
+meanwhile; Ctrl-C in a long fit (the seconds to the KeyboardInterrupt, the step each rank
+stopped at); SIGTERM to a rank in a checkpointed fit (the
 seconds to the LaunchError, then ``c.restart()`` and the fit resumed to its end); then a rank
 killed with SIGKILL in a running call: the seconds from the kill to the LaunchError in the
 kernel, and ``c.restart()``'s time. Timings are reported, never asserted; exit status 0.
@@ -50,6 +51,12 @@ def _launched(rank, shared, private):
     exec(shared["setup"], namespace)
     namespace["tr"].fit(namespace["data"], steps=shared["steps"], batch_size=256, progress=False)
     return namespace["tr"].step
+
+
+def _took(rank, shared, private):
+    from IPython import get_ipython
+
+    return get_ipython().user_ns["took"]  # what the cell timed in this rank
 
 
 def _spin(rank, shared, private):
@@ -127,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             c.run_cell(fit)
             second = time.perf_counter() - t0
             again = [b - a for a, b in zip(compiled, c.compilations(), strict=True)]
-            loop = f"tr.fit(data, steps={args.loop}, batch_size=256, progress=False)"
+            loop = (
+                f"import time\nt0 = time.perf_counter()\ntr.fit(data, steps={args.loop}, batch_size=256, "
+                "progress=False)\ntook = time.perf_counter() - t0"
+            )
             timed: dict[bool, list[float]] = {True: [], False: []}
+            inside: dict[bool, list[float]] = {True: [], False: []}  # the slowest rank's fit, timed in it
             sent = [0] * n
             for k in range(args.rounds):  # streaming on and off in turn, ABBA
                 for on in (True, False) if k % 2 == 0 else (False, True):
@@ -138,12 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                     c.run_cell(loop)
                     timed[on].append(time.perf_counter() - t0)
                     sent = [s + b - a for s, a, b in zip(sent, before, c.streams.messages, strict=True)]
+                    inside[on].append(max(c.run(_took)))
             c.stream(True)
             # each streamed call ends with a drain, read as one more message (a reply, not a batch)
             rates = [(m - args.rounds) / sum(timed[True]) for m in sent]
             stopped, pressed = _ctrl_c(c)
             preempted, said, restart_resume = _preempt(c)
             ratios = sorted(a / b for a, b in zip(timed[True], timed[False], strict=True))
+            in_rank = sorted(a / b for a, b in zip(inside[True], inside[False], strict=True))
             t0 = time.perf_counter()
             mg.launch(
                 _launched,
@@ -181,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             f"({launched / second:.0f}x the warm cell)"
         )
         print(
-            f"  {args.loop} steps with each rank's ledger streamed to the kernel, against without: median "
-            f"{statistics.median(timed[True]):.3f} s vs {statistics.median(timed[False]):.3f} s, "
-            "paired ratio "
-            f"{statistics.median(ratios):.3f} [{ratios[0]:.3f}-{ratios[-1]:.3f}] over {args.rounds} rounds "
-            "(goal <= 1.03)"
+            f"  {args.loop} steps with each rank's ledger streamed to the kernel, against without, timed "
+            f"in the ranks: median {statistics.median(inside[True]):.3f} s vs "
+            f"{statistics.median(inside[False]):.3f} s, paired ratio {statistics.median(in_rank):.3f} "
+            f"[{in_rank[0]:.3f}-{in_rank[-1]:.3f}] over {args.rounds} rounds (goal <= 1.03); the call "
+            f"in the kernel (with the last batches read): {statistics.median(ratios):.3f} "
+            f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]"
         )
         print(
             f"  messages a second per rank while streaming: {', '.join(f'{r:.1f}' for r in rates)} "

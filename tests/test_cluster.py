@@ -379,11 +379,19 @@ def _a_preempted_rank_saves_its_step_and_the_run_resumes_bit_for_bit(c, tmp_path
     """SIGTERM to one rank: every rank stops at one step boundary and saves it, the preempted
     rank exits, the cell says which rank and step; after c.restart() the run resumes from that
     step and ends as an uninterrupted one (``whole-out``, written before)."""
-    folder = tmp_path / "preempted"
+    folder, mark = tmp_path / "preempted", tmp_path / "fitting"
     code = _CHECKPOINTED.replace("FOLDER", repr(str(folder))).replace("every=5", "every=1000")
+    code = code.replace("time.sleep(0.03)", f"time.sleep(0.03)\n    step == 5 and open({str(mark)!r}, 'w')")
     c.run_cell(code)
     victim = c.ranks[1].pid
-    threading.Timer(1.5, os.kill, (victim, signal.SIGTERM)).start()
+
+    def preempt() -> None:  # once the fit runs (a fixed delay can miss a fit compiled fast)
+        deadline = time.monotonic() + 60
+        while not mark.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGTERM)
+
+    threading.Thread(target=preempt, daemon=True).start()
     with pytest.raises(mg.LaunchError) as info:
         c.run_cell("tr.fit(batches, steps=40, progress=False)")
     text = str(info.value)

@@ -8,14 +8,17 @@ import re
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import psutil
 import pytest
 
 import mgkit as mg
 from mgkit._beat import LastBeat
+from mgkit._ledger import events_of
 from mgkit.cluster import _rank
-from mgkit.cluster._stream import Streams
+from mgkit.cluster._stream import Streams, renamed
 from mgkit.launching import RankInfo
 
 pytest.importorskip("ipyparallel")
@@ -115,6 +118,38 @@ def test_the_kernel_keeps_each_ranks_last_beat_and_a_bounded_history_of_its_read
     assert [s.t for s in streams.memory({"r1/dev1": 1697.0})["r1/dev1"]] == [1698.0, 1699.0]
     assert streams.latest()[0].context == "r1/dev1" and streams.latest()[0].used == 64
     assert streams.infos[1].beat_text(2701.0) == "2.0 s ago, step 699"
+
+
+def _square(p, b):
+    return jnp.mean((b["x"] @ p["w"]) ** 2)
+
+
+def test_a_ranks_steps_travel_as_one_row_each_and_arrive_as_the_same_events_renamed():
+    box = _rank.Outbox(10_000)
+    detach = mg.ledger().attach(box)
+    try:
+        tr = mg.Trainer(_square, optax.sgd(0.1), {"w": jnp.ones((4, 1))})
+        tr.fit({"x": np.ones((64, 4), np.float32)}, steps=6, batch_size=16, progress=False)
+        mg.ledger().record(mg.Event("run", "dev3", "dev3", "cpu3", "cpu3", 0, time.time(), 0.5, None, None))
+    finally:
+        detach()
+    entries = list(box.items)
+    want = events_of(entries)
+    kept: dict = {}
+    layouts, rows = _rank.rows(kept, entries)
+    calls = [row for row in rows if len(row) == 5]
+    assert len(calls) >= 6 and len(layouts) == len({row[0] for row in calls}) < len(calls)
+    assert len(rows) < len(want)  # a call's events travel as one row
+    assert _rank.rows(kept, entries)[0] == []  # each layout is sent once
+    streams = Streams(None, 4)
+    mg.ledger().clear()
+    assert streams.record(2, rows, 0, {}, (123, layouts)) == len(want) == streams.received[2]
+    order = lambda e: (e.start, e.kind, e.src, e.dst)  # noqa: E731 - the ledger keeps events by time
+    assert sorted(mg.ledger().records(), key=order) == sorted((renamed(tuple(e), 2) for e in want), key=order)
+    assert mg.ledger().records()[-1].src_device == "r2/cpu3"  # a plain event travels whole
+    # a new process of rank 2 whose layouts never came (its first batch lost): counted as dropped
+    streams.record(2, calls[:2], 0, {}, (456, []))
+    assert streams.dropped[2] == 2 and streams.received[2] == len(want)
 
 
 # -- on a cluster ------------------------------------------------------------------------------------

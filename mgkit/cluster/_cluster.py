@@ -324,7 +324,7 @@ class Cluster:
                 gone = self._gone(pending)
                 if gone is not None:
                     self._lose(gone, pending, shown)
-                time.sleep(POLL)
+                pending.wait(POLL)  # returns as the last rank finishes
         except KeyboardInterrupt:
             self._interrupt(pending, shown)
         if not quiet:
@@ -352,8 +352,8 @@ class Cluster:
         streams.collect(pending)
         if self.streaming:  # what the ranks still hold, after every batch they were publishing
             rest = self._engines.apply(_rank.take, [(None,)] * self.engines, wrapped=False)
-            while not all(rest.done()) and self._gone(rest) is None:
-                time.sleep(POLL / 5)
+            while not rest.wait(POLL) and self._gone(rest) is None:
+                pass
             rest.settle(1.0)
             streams.collect(pending, rest)
             for rank in range(self.engines):

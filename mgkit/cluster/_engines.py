@@ -46,6 +46,10 @@ class Pending(abc.ABC):
         """Per rank: has it finished?"""
 
     @abc.abstractmethod
+    def wait(self, timeout: float) -> bool:
+        """Waits (at most ``timeout`` s) until every rank has finished; returns whether they have."""
+
+    @abc.abstractmethod
     def output(self) -> list[str]:
         """Per rank: everything it printed so far (stdout, then stderr)."""
 
@@ -111,6 +115,13 @@ class _IppPending(Pending):
 
     def done(self) -> list[bool]:
         return [ar.ready() for ar in self.results]
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for ar in self.results:
+            if not ar.ready():
+                ar.wait(max(deadline - time.monotonic(), 0.0))
+        return all(self.done())
 
     def output(self) -> list[str]:
         return [(ar.stdout or "") + (ar.stderr or "") for ar in self.results]

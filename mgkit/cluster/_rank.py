@@ -245,32 +245,52 @@ def stream(on: bool, rate: float, size: int, batch: int) -> bool:
                 time.sleep(1.0 / rate)
                 sample(kept)  # outside the lock: a drain never waits for a reading
                 with kept["lock"]:
-                    rows, dropped, news = take(kept["batch"])
-                    if rows or dropped or news:
+                    batch = take(kept["batch"])
+                    if batch[0] or batch[1] or batch[2]:
                         seq += 1
-                        publish_data({f"mgkit-events-{kept['rank']:05d}-{seq:09d}": (rows, dropped, news)})
+                        publish_data({f"mgkit-events-{kept['rank']:05d}-{seq:09d}": batch})
 
         kept["sender"] = threading.Thread(target=send, name="mgkit-stream", daemon=True)
         kept["sender"].start()
     return True
 
 
-def take(most: int | None = None) -> tuple[list, int, dict]:
-    """Up to ``most`` of the entries waiting (all: None) as event rows, the entries dropped
-    since the last take, and the news (``news``); after any batch the sender was publishing (its
-    publication comes first)."""
+def take(most: int | None = None) -> tuple[list, int, dict, tuple]:
+    """Up to ``most`` of the entries waiting (all: None) as rows (``rows``), the entries
+    dropped since the last take, the news (``news``) and the layouts first sent now; after any
+    batch the sender was publishing (its publication comes first)."""
     kept = state()
     box = kept.get("outbox")
     if box is None:
-        return [], 0, {}
-    from .._ledger import events_of
-
+        return [], 0, {}, (os.getpid(), [])
     with kept["lock"]:
         n = len(box.items) if most is None else min(len(box.items), most)
         entries = [box.items.popleft() for _ in range(n)]
         dropped, box.dropped = box.dropped, 0
         heard = news(kept)
-    return [tuple(e) for e in events_of(entries)], dropped, heard
+        layouts, out = rows(kept, entries)
+    return out, dropped, heard, (os.getpid(), layouts)
+
+
+def rows(kept: dict, entries: list) -> tuple[list, list]:
+    """Ledger entries as rows to send: an event as its ten fields; a layout's call (a step: its
+    events are alike every time) as ``(key, start, seconds, label, extra)``, its layout's rows
+    sent once, the first time, as ``(key, rows)`` in the first list. The kernel makes the call
+    again from them, so a step costs one small row whatever its event count."""
+    from .._ledger import Call
+
+    sent = kept.setdefault("layouts", {})  # id -> (layout, key): kept, so that no id is reused
+    layouts, out = [], []
+    for entry in entries:
+        if type(entry) is Call:
+            known = sent.get(id(entry.layout))
+            if known is None:
+                known = sent[id(entry.layout)] = (entry.layout, len(sent))
+                layouts.append((known[1], entry.layout.rows))
+            out.append((known[1], entry.start, entry.seconds, entry.label, entry.extra))
+        else:
+            out.append(tuple(entry))
+    return layouts, out
 
 
 SAMPLE_EVERY = 0.5  # seconds between two readings of this rank's devices' memory, at least

@@ -6,6 +6,11 @@ rank beside the kernel's own work. The same messages bring the rank's last heart
 its ``RankInfo``) and its devices' memory readings (kept here, a bounded history per context,
 for ``mg.Dashboard(cluster=c)``'s device map and memory panel).
 
+A step's events are alike at every step (a ``Layout``, made once; the ledger keeps each call of
+it whole): a rank sends a layout's rows once and then each call as one small row, and the kernel
+records the call of its renamed copy, so streaming costs a step the same however many contexts
+and collectives it has.
+
 A rank publishes under the request it last ran; the kernel reads the batches of every request
 (``Engines.published``), and each call ends with a drain of what is left, whose reply follows
 every batch published before it.
@@ -20,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from .._ledger import Event, ledger
+from .._ledger import Event, Layout, ledger
 
 RATE = 10.0  # messages a second per rank, at most
 SIZE = 100_000  # ledger entries a rank holds for the kernel, at most; more are counted as dropped
@@ -73,6 +78,18 @@ def renamed(row: tuple, rank: int) -> Event:
     )
 
 
+def renamed_layout(rows: Sequence[tuple], rank: int) -> Layout:
+    """A rank's layout (its rows: the first six fields of each event, its share, its info) as
+    the kernel's, its contexts and devices named ``r<rank>/<name>``."""
+    tag = f"r{rank}/"
+    return Layout(
+        [
+            ((kind, tag + src, tag + dst, tag + sdev, tag + ddev, nbytes), share, info)
+            for (kind, src, dst, sdev, ddev, nbytes), share, info in rows
+        ]
+    )
+
+
 class Streams:
     """The kernel's side: reads the batches the ranks published, records them, counts drops."""
 
@@ -85,6 +102,7 @@ class Streams:
         self.fitting = [False] * ranks  # each rank runs a fit (it beats every step)
         self.infos: Sequence[Any] = ()  # the cluster's RankInfo per rank: their beats are set here
         self._memory: dict[str, collections.deque[RankSample]] = {}  # per rank context, newest last
+        self._layouts: dict[int, tuple[int, dict[int, Layout]]] = {}  # rank -> (its pid, key -> layout)
         self._lock = threading.Lock()  # the memory samples are read by the views' thread
 
     def collect(self, *pending: Any) -> int:
@@ -97,15 +115,40 @@ class Streams:
                 total += self.record(rank, *batch)
         return total
 
-    def record(self, rank: int, rows: Any, dropped: int, news: dict | None = None) -> int:
-        """Records one batch of ``rank``'s: its event rows in the kernel's ledger, its last
-        heartbeat in its ``RankInfo`` and its memory readings (``_rank.take``'s news)."""
-        events = [renamed(tuple(row), rank) for row in rows]
+    def record(
+        self, rank: int, rows: Any, dropped: int, news: dict | None = None, layouts: tuple | None = None
+    ) -> int:
+        """Records one batch of ``rank``'s (``_rank.take``'s): its rows in the kernel's ledger
+        (events, and calls of the layouts it sent, ``(pid, [(key, rows)])``), its last heartbeat
+        in its ``RankInfo`` and its memory readings (the news)."""
+        pid, new = layouts if layouts is not None else (None, ())
+        known = self._layouts.get(rank)
+        if known is None or known[0] != pid:  # a rank's first batch, or a new process
+            known = self._layouts[rank] = (pid, {})
+        for key, layout in new:
+            known[1][key] = renamed_layout(layout, rank)
+        count, lost = 0, 0
+        led = ledger()
+        events: list[Event] = []
+        for row in rows:
+            if len(row) != 5:  # an event's fields
+                events.append(renamed(tuple(row), rank))
+                continue
+            layout = known[1].get(row[0])  # a call: (key, start, seconds, label, extra)
+            if layout is None:  # its layout never came: counted as dropped
+                lost += 1
+                continue
+            if events:
+                led.record(events)
+                count, events = count + len(events), []
+            led.record(layout.call(*row[1:]))
+            count += layout.size
         if events:
-            ledger().record(events)
-        self.received[rank] += len(events)
+            led.record(events)
+            count += len(events)
+        self.received[rank] += count
         self.messages[rank] += 1
-        self.dropped[rank] += int(dropped)
+        self.dropped[rank] += int(dropped) + lost
         self.heard[rank] = time.time()
         news = news or {}
         if "fitting" in news:
@@ -121,7 +164,7 @@ class Streams:
                         if kept is None:
                             kept = self._memory[sample.context] = collections.deque(maxlen=KEPT)
                         kept.append(sample)
-        return len(events)
+        return count
 
     def memory(self, after: Mapping[str, float] | None = None) -> dict[str, list[RankSample]]:
         """Each rank context's memory samples kept, oldest first (those taken after ``after[name]``,
