@@ -491,5 +491,5 @@ def test_a_collective_that_times_out_names_it_and_shows_where_each_rank_was():
     err = info.value
     assert err.kind == "raised" and err.rank == 0 and "Timed out" in str(err)
     assert "time.sleep(60)" in err.stacks[1] or "in work" in err.stacks[1], err.stacks
-    assert time.perf_counter() - t0 < 2 + 6  # start-up, the timeout, the stacks
+    assert time.perf_counter() - t0 < 2 + 12  # start-up (slow beside other tests), the timeout, the stacks
     _no_children()
