@@ -327,6 +327,7 @@ class Cluster:
                 pending.wait(POLL)  # returns as the last rank finishes
         except KeyboardInterrupt:
             self._interrupt(pending, shown)
+        pending.settle(1.0)  # what the ranks printed before their replies (it may come after them)
         if not quiet:
             self._show(pending, shown, final=True)
         if streams is not None:
