@@ -210,7 +210,10 @@ class Checkpoints:
             if step is not None:  # the save's own hold, taken when it started
                 ORBAX_LOGS.busy -= 1
         if step is not None and self.keep is not None:  # the oldest of mgkit's own beyond keep
-            for old in _steps.listing(self.directory).ours[: -self.keep]:
+            # The step just saved counts where this process does not see it yet (in a
+            # distributed fit another process finishes it): every process deletes the same steps,
+            # as orbax's delete is a step they all take together.
+            for old in sorted({*_steps.listing(self.directory).ours, step})[: -self.keep]:
                 with ORBAX_LOGS.held():
                     self._manager.delete(old)
 
