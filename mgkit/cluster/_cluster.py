@@ -348,8 +348,7 @@ class Cluster:
         self._wait(self._engines.apply(_rank.stream, per_rank, wrapped=False), "start", quiet=True)
 
     def _drain(self, streams: Streams, pending: Pending) -> None:
-        """What the ranks hold after a call, read at once; the call's late batches for a while."""
-        pending.settle(1.0)
+        """What the ranks hold after a call (settled: its late batches are in), read at once."""
         streams.collect(pending)
         if self.streaming:  # what the ranks still hold, after every batch they were publishing
             rest = self._engines.apply(_rank.take, [(None,)] * self.engines, wrapped=False)

@@ -69,25 +69,22 @@ def samples_of(rank: int, reading: Sequence[dict]) -> list[RankSample]:
     return out
 
 
+def _head(head: Sequence, tag: str) -> tuple:
+    """An event's first six fields (kind to bytes), its contexts and devices prefixed ``tag``."""
+    kind, src, dst, src_device, dst_device, nbytes = head
+    return (kind, tag + src, tag + dst, tag + src_device, tag + dst_device, nbytes)
+
+
 def renamed(row: tuple, rank: int) -> Event:
     """A rank's event row as a kernel event, its contexts and devices named ``r<rank>/<name>``."""
-    kind, src, dst, src_device, dst_device, nbytes, start, seconds, label, info = row
-    tag = f"r{rank}/"
-    return Event(
-        kind, tag + src, tag + dst, tag + src_device, tag + dst_device, nbytes, start, seconds, label, info
-    )
+    return Event(*_head(row[:6], f"r{rank}/"), *row[6:])
 
 
 def renamed_layout(rows: Sequence[tuple], rank: int) -> Layout:
     """A rank's layout (its rows: the first six fields of each event, its share, its info) as
     the kernel's, its contexts and devices named ``r<rank>/<name>``."""
     tag = f"r{rank}/"
-    return Layout(
-        [
-            ((kind, tag + src, tag + dst, tag + sdev, tag + ddev, nbytes), share, info)
-            for (kind, src, dst, sdev, ddev, nbytes), share, info in rows
-        ]
-    )
+    return Layout([(_head(head, tag), share, info) for head, share, info in rows])
 
 
 class Streams:
@@ -123,7 +120,7 @@ class Streams:
         in its ``RankInfo`` and its memory readings (the news)."""
         pid, new = layouts if layouts is not None else (None, ())
         known = self._layouts.get(rank)
-        if known is None or known[0] != pid:  # a rank's first batch, or a new process
+        if known is None or (pid is not None and known[0] != pid):  # its first batch, or a new process
             known = self._layouts[rank] = (pid, {})
         for key, layout in new:
             known[1][key] = renamed_layout(layout, rank)
