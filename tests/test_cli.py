@@ -12,6 +12,7 @@ import nbformat
 import pytest
 
 from mgkit import _cli, _tour
+from tests.test_notebooks import EXPECTED_OUTPUT, output_text
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -50,6 +51,9 @@ def test_tour_prints_report_and_writes_files(tmp_path):
     code = [c for c in executed.cells if c.cell_type == "code"]
     assert len(code) == code_cells and all(c.execution_count for c in code)
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
+    text = output_text(executed)  # the tour notebook runs here only: what its cells must print
+    for expected in EXPECTED_OUTPUT[_tour.NOTEBOOK.name]:
+        assert expected in text, f"{_tour.NOTEBOOK.name}: expected {expected!r} in the outputs"
     html = (folder / "00_tour.html").read_text(encoding="utf-8")
     assert "The mgkit tour" in html and "Mapped name dev7 to device cpu7" in html
     assert "mgkit throughput: 8 context(s) reporting" in html  # the dashboard, as text
