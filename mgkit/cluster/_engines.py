@@ -23,6 +23,11 @@ from ..launching import gpu_ids
 
 LAUNCHERS = {"local": "Local", "mpi": "MPI", "slurm": "Slurm", "pbs": "PBS"}  # ours -> ipyparallel's
 LOOPBACK = "127.0.0.1"
+# The controller's queues and schedulers as threads of its one process (not eight processes to
+# start on a laptop's cores), and a heartbeat every 0.5 s: an engine counts as up at its first
+# beat, so the default 3 s period made every start wait for it (a start: 9 s -> 5 s). An engine
+# is given up after 30 missed beats (15 s; the default 10 misses of 3 s each are 30 s).
+CONTROLLER_ARGS = ["--usethreads", "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=30"]
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -197,6 +202,7 @@ class IPyParallel(Engines):
                 delay=0.0,
                 log_level=40,
                 shutdown_atexit=True,
+                controller_args=CONTROLLER_ARGS,
             )
             self.cluster.engine_launcher_class  # noqa: B018 - resolved now: a bad name fails here
             self.cluster.start_controller_sync()
@@ -373,11 +379,24 @@ def family(pids: Sequence[int]) -> list:
 
 def reap(procs: Sequence[Any], wait: float = 5.0) -> None:
     """Waits (at most ``wait`` seconds) for the processes a cluster started (``family``) to end
-    after it stopped them, and kills those still there: ``close()`` returns with none left."""
+    after it stopped them, and kills those still there: ``close()`` returns with none left.
+
+    An engine's nanny (ipyparallel's watcher of its engine) outlives it by 3 s and more, telling
+    the controller, stopped too, that its engine is gone: it is stopped once its engine is."""
     import psutil
 
-    _, alive = psutil.wait_procs(list(procs), timeout=wait)
-    for proc in alive:
+    nannies = [p for p in procs if _is_nanny(p)]
+    _, alive = psutil.wait_procs([p for p in procs if p not in nannies], timeout=wait)
+    for proc in [*alive, *nannies]:  # a nanny holds nothing (its SIGTERM handler tells the controller)
         with contextlib.suppress(psutil.Error):
             proc.kill()
-    psutil.wait_procs(alive, timeout=1.0)
+    psutil.wait_procs([*alive, *nannies], timeout=1.0)
+
+
+def _is_nanny(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return "ipyparallel.engine.nanny" in proc.cmdline()
+    except psutil.Error:  # gone already
+        return False
