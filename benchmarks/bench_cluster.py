@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"  messages a second per rank while streaming: {', '.join(f'{r:.1f}' for r in rates)} "
-            "(at most 10)"
+            "(at most 2 by default; the goal: at most 10)"
         )
         print(
             f"  Ctrl-C in a fit: every rank stopped {pressed:.2f} s later, at steps {stopped} "

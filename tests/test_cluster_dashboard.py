@@ -18,7 +18,7 @@ import mgkit as mg
 from mgkit._beat import LastBeat
 from mgkit._ledger import events_of
 from mgkit.cluster import _rank
-from mgkit.cluster._stream import Streams, renamed
+from mgkit.cluster._stream import RATE, Streams, renamed
 from mgkit.launching import RankInfo
 
 pytest.importorskip("ipyparallel")
@@ -235,7 +235,8 @@ def test_rank_data_reaches_a_live_dashboards_panels_while_the_cell_runs(cluster)
 
 
 @pytest.mark.slow
-def test_a_fast_loop_streams_at_most_10_messages_a_second_per_rank(cluster, capsys):
+def test_a_fast_loop_streams_at_most_rate_messages_a_second_per_rank(cluster, capsys):
+    assert 0 < RATE <= 10  # the ceiling the issue sets: 10 a second
     sent = list(cluster.streams.messages)
     t0 = time.monotonic()
     cluster.run_cell(
@@ -250,7 +251,7 @@ def test_a_fast_loop_streams_at_most_10_messages_a_second_per_rank(cluster, caps
     per_rank = [(b - a) / seconds for a, b in zip(sent, cluster.streams.messages, strict=True)]
     with capsys.disabled():
         print(f"\nmessages per second per rank under a fast loop: {[round(m, 1) for m in per_rank]}")
-    assert all(5 <= m <= 10 + 2 / seconds for m in per_rank), (per_rank, seconds)
+    assert all(0.5 * RATE <= m <= RATE + 2 / seconds for m in per_rank), (per_rank, seconds)  # + the drain
     assert all(r.step is not None and r.step > 100 for r in cluster.ranks)  # its beats came too
 
 

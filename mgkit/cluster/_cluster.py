@@ -76,12 +76,12 @@ class Cluster:
       timeouts: jax.distributed's timeouts in seconds (``heartbeat``, ``init``, ``shutdown``,
         ``collectives``), as ``mg.launch`` takes them.
       env: more environment variables for the engines (strings to strings).
-      stream: each rank sends its ledger entries to the kernel's ledger in batches (at most 10
-        messages a second; a rank holds at most 100,000 entries meanwhile and counts more as
-        dropped, never waiting), its contexts named by rank (``r1/dev2``): the dashboard's
-        transfers and throughput panels show every rank. Its last heartbeat (``mg.beat``) and
-        its devices' memory readings go with the batches (``mg.Dashboard(cluster=c)`` shows
-        them). ``c.stream(False)`` stops it.
+      stream: each rank sends its ledger entries to the kernel's ledger in batches (at most 2
+        messages a second, as often as the dashboard's panels refresh; a rank holds at most
+        100,000 entries meanwhile and counts more as dropped, never waiting), its contexts named
+        by rank (``r1/dev2``): the dashboard's transfers and throughput panels show every rank.
+        Its last heartbeat (``mg.beat``) and its devices' memory readings go with the batches
+        (``mg.Dashboard(cluster=c)`` shows them). ``c.stream(False)`` stops it.
       stall_after: seconds without a heartbeat (``mg.beat``; a Trainer beats every step) after
         which a rank in a fit has stalled; None: learned as ``mg.launch`` learns it (5 times its
         slowest step, at least 10 s). The beats come with the streamed batches.

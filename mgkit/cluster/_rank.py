@@ -229,12 +229,12 @@ def stream(on: bool, rate: float, size: int, batch: int) -> bool:
         if detach is not None:
             detach()
         return False
+    kept["rate"], kept["batch"] = rate, batch  # the sender reads them at each round
     if "detach" in kept:
         return True
     box = kept["outbox"] = Outbox(size)
     kept.setdefault("lock", threading.RLock())  # a batch is taken and published as one, or drained
     kept["detach"] = ledger().attach(box)
-    kept["batch"] = batch
     if "sender" not in kept:
 
         def send() -> None:
@@ -242,7 +242,7 @@ def stream(on: bool, rate: float, size: int, batch: int) -> bool:
 
             seq = 0
             while True:
-                time.sleep(1.0 / rate)
+                time.sleep(1.0 / kept["rate"])
                 sample(kept)  # outside the lock: a drain never waits for a reading
                 with kept["lock"]:
                     batch = take(kept["batch"])
