@@ -252,6 +252,20 @@ def test_throughput_view_series_per_context_from_steps_and_runs():
     view.close()
 
 
+def test_a_live_refresh_under_a_heavy_stream_keeps_each_contexts_newest_steps():
+    """A live refresh folds the newest few entries, shared between their sources: a batch of one
+    rank's steps arriving just after another's (a cluster's streams) hides neither."""
+    led = Ledger()
+    view = mg.ThroughputView(ledger=led, widget=False, live=False)
+    for ctx in ("r0/dev0", "r1/dev0"):  # each rank's batch, one after the other
+        for i in range(3 * view.fold_limit):
+            led.record(_step(ctx, 100.0 + i, iteration=i + 1))
+    view._refresh(budgeted=True)  # what the views' thread does
+    assert list(view.series()) == ["r0/dev0", "r1/dev0"]
+    assert view.skipped == 2 * 3 * view.fold_limit - view.fold_limit  # the newest half of the limit each
+    view.close()
+
+
 def test_throughput_view_follows_parallel_calls_on_eight_contexts():
     view = mg.ThroughputView(widget=False)
     f = mg.parallel(lambda a: a * 2)

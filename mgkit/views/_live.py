@@ -21,13 +21,13 @@ memory view still takes its samples, which are cheap, and charges them; while it
 view with a picture waits until the picture may be redrawn too), and a dashboard serves first
 the panel due longest. A feed makes only the events of its kinds (a step's collectives cost a
 view of steps nothing), and a live refresh folds at most ``FOLD_CHUNK`` of the newest entries
-of a heavy stream (the older ones are skipped and counted; totals come from the ledger's own),
-so no one refresh is costly and no view's work stops the others' for long: however many events
-arrive and however many views there are, the views take at most ~2 % of a core (and of the
-GIL) from the work they watch, and under a heavy stream of events they fold fewer of them,
-never the work more slowly. Costs are the thread's own CPU time (``time.thread_time``), not
-wall time: on a busy machine a round that waited for a core or for the GIL is not charged for
-the wait.
+of a heavy stream, shared between its sources (the older ones are skipped and counted; totals
+come from the ledger's own), so no one refresh is costly and no view's work stops the others'
+for long: however many events arrive and however many views there are, the views take at most
+~2 % of a core (and of the GIL) from the work they watch, and under a heavy stream of events
+they fold fewer of them, never the work more slowly. Costs are the thread's own CPU time
+(``time.thread_time``), not wall time: on a busy machine a round that waited for a core or for
+the GIL is not charged for the wait.
 """
 
 from __future__ import annotations
@@ -117,8 +117,10 @@ class Feed:
     def drain(self, limit: int | None = None) -> list[Event]:
         """Takes every buffered event of the feed's kinds, oldest first (entries appended
         meanwhile stay for next time); with ``limit``, those of the newest ``limit`` entries of
-        its kinds only, the older ones skipped (counted in ``skipped``). Of a call's events only
-        those of the feed's kinds are made: a step's collectives cost a view of steps nothing."""
+        its kinds only, shared between their sources (a call's layout, an event's context), the
+        older ones skipped (counted in ``skipped``): a batch of one rank's steps, streamed, hides no other
+        rank's. Of a call's events only those of the feed's kinds are made: a step's
+        collectives cost a view of steps nothing."""
         pop = self.buffer.popleft
         kinds, exclude, wanted = self.kinds, self.exclude, self._wanted
         kept: list[tuple[Any, tuple[int, ...] | None]] = []
@@ -131,14 +133,29 @@ class Feed:
             elif (entry.kind in kinds) != exclude:
                 kept.append((entry, None))
         if limit is not None and len(kept) > limit:
-            self.skipped += len(kept) - limit
-            kept = kept[-limit:]
+            kept = self._newest(kept, limit)
         out: list[Event] = []
         for entry, rows in kept:
             if rows is None:
                 out.append(entry)
             else:
                 out.extend(entry.events(rows))
+        return out
+
+    def _newest(self, kept: list[tuple[Any, tuple[int, ...] | None]], limit: int) -> list:
+        """The newest of ``kept`` from each source, an equal share of ``limit`` each (one at
+        least), oldest first; the rest counted as skipped."""
+        keys = [id(entry.layout) if rows is not None else entry.src for entry, rows in kept]
+        share = max(limit // len(set(keys)), 1)
+        count: dict[Any, int] = {}
+        out = []
+        for key, item in zip(reversed(keys), reversed(kept), strict=True):
+            seen = count.get(key, 0)
+            if seen < share:
+                count[key] = seen + 1
+                out.append(item)
+        self.skipped += len(kept) - len(out)
+        out.reverse()
         return out
 
     def skip(self) -> int:
