@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mgkit._spmd import from_host, to_host
+from mgkit._spmd import from_host, from_process_zero, to_host
 
 
 @pytest.mark.parametrize("spec", [P("a"), P(None, "b"), P("a", "b"), P(), P(("a", "b"))])
@@ -50,3 +50,25 @@ def test_from_host_refuses_an_array_larger_than_the_shape():
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with pytest.raises(ValueError, match=r"from_host: the array's \(5,\) is not a leading block of \(4,\)"):
         from_host(np.zeros(5), (4,), one)
+
+
+def test_every_process_gets_process_zeros_list():
+    import mgkit as mg
+
+    def work(rank, shared, private):
+        import jax
+
+        from mgkit._spmd import from_process_zero
+
+        # each rank's own view differs, in length too; all get process 0's (past 32 bits too)
+        mine = [rank, 2**40 + rank, 7][: 3 - rank]
+        return jax.process_count(), from_process_zero(mine), from_process_zero(mine[:rank])
+
+    got = mg.launch(work, nprocs=2, distributed=True, stream=False).values
+    assert got == [(2, [0, 2**40, 7], [])] * 2  # process 0's, even an empty list
+    assert from_process_zero([5, 2**40]) == [5, 2**40]  # one process: the list as it is
+
+
+def test_process_zeros_list_must_be_whole_numbers():
+    with pytest.raises(ValueError, match="invalid literal"):
+        from_process_zero(["step 3"])

@@ -7,7 +7,8 @@ the trainers and ``mg.prefetch`` build their programs on it. One module per ques
 ``_mesh``           meshes with ``Auto`` axes and shardings over the contexts' devices
 ``_shares``         rows per part, and padding uneven parts to equal ones (and trimming back)
 ``_leaves``         the array behind a leaf (a tracer may stand for none), and its dtype
-``_host``           split arrays to and from the host shard by shard, padding left out or added
+``_host``           split arrays to and from the host shard by shard, padding left out or added;
+                    process 0's choice sent to every process
 ``_placing``        placing a batch for one program, host arrays through a private copy
 ``_layouts``        the ledger's events for a placement and a run, and recording them
 ``_messages``       how messages name a function, and JAX's device errors in context names
@@ -32,6 +33,7 @@ from ._collectives import record_collectives as record_collectives
 from ._hlo import Collective as Collective
 from ._hlo import collectives_in as collectives_in
 from ._host import from_host as from_host
+from ._host import from_process_zero as from_process_zero
 from ._host import to_host as to_host
 from ._layouts import record as record
 from ._layouts import record_run as record_run

@@ -1,7 +1,8 @@
 """Split arrays to and from the host one shard at a time: ``to_host`` reads one, its padding left
 out, and no device ever holds more than the shard it already has (``jax.device_get`` of a leaf
 that cannot be split evenly would otherwise need it whole somewhere first); ``from_host`` places
-a numpy array padded and split, each device receiving only its own shard."""
+a numpy array padded and split, each device receiving only its own shard. ``from_process_zero``
+gives every process of a distributed run process 0's list of whole numbers."""
 
 from __future__ import annotations
 
@@ -84,3 +85,28 @@ def from_host(x: Any, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -
         return out
 
     return jax.make_array_from_callback(shape, sharding, block)
+
+
+def from_process_zero(values: list[int]) -> list[int]:
+    """Process 0's ``values`` (whole numbers of any size) in every process of a distributed run:
+    what the processes must do together (orbax's deletes, which they take in step) decided once,
+    where each one's own view (a listing of a folder another process is renaming in) can differ.
+    Every process must call it at the same point; in one process it returns ``values``.
+
+    >>> from_process_zero([3, 2**40])
+    [3, 1099511627776]
+    """
+    values = [int(v) for v in values]
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    if any(v < 0 for v in values):
+        raise ValueError(f"from_process_zero: {values} holds a negative number; only steps (>= 0) are sent")
+    # int32 pieces: JAX holds integers in 32 bits unless 64-bit mode is on
+    count = int(multihost_utils.broadcast_one_to_all(np.int32(len(values))))
+    pieces = np.zeros((count, 3), np.int32)
+    if jax.process_index() == 0 and count:
+        pieces[:] = [[v >> 62, (v >> 31) & (2**31 - 1), v & (2**31 - 1)] for v in values]
+    pieces = np.asarray(multihost_utils.broadcast_one_to_all(pieces)).astype(object)
+    return [int(hi) << 62 | int(mid) << 31 | int(lo) for hi, mid, lo in pieces]

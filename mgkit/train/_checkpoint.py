@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from mgkit._numbers import whole
+from mgkit._spmd import from_process_zero
 from mgkit._stops import PreemptedError, preempted_error
 
 from . import _checkpoint_steps as _steps
@@ -211,9 +212,10 @@ class Checkpoints:
                 ORBAX_LOGS.busy -= 1
         if step is not None and self.keep is not None:  # the oldest of mgkit's own beyond keep
             # The step just saved counts where this process does not see it yet (in a
-            # distributed fit another process finishes it): every process deletes the same steps,
-            # as orbax's delete is a step they all take together.
-            for old in sorted({*_steps.listing(self.directory).ours, step})[: -self.keep]:
+            # distributed fit another process finishes it). Process 0 decides for all: orbax's
+            # delete is a step every process takes together, and while process 0 still renames or
+            # deletes a folder, another process's listing of it can differ.
+            for old in from_process_zero(sorted({*_steps.listing(self.directory).ours, step})[: -self.keep]):
                 with ORBAX_LOGS.held():
                     self._manager.delete(old)
 
