@@ -189,6 +189,17 @@ def test_an_exception_in_one_rank_is_one_launch_error_and_the_cluster_stays_warm
         return rank
 
     assert cluster.run(fine) == [0, 1]
+    # the other rank still running: stopped (SIGINT) a second after, the error at once
+    busy = "import os, time\n" + code.replace("ok = True", "for i in range(3000):\n    time.sleep(0.01)")
+    t0 = time.monotonic()
+    with pytest.raises(mg.LaunchError, match=r"rank 1 .* bad row 7 \(the cluster stays warm\)") as info:
+        cluster.run_cell(busy)
+    assert time.monotonic() - t0 < 1.0 + 2.0 + 2.0
+    assert re.search(
+        r"rank 0 \(pid \d+, .*\): stopped after rank 1 raised \(KeyboardInterrupt\)", str(info.value)
+    )
+    assert [r.state for r in cluster.ranks] == ["stopped", "raised"]
+    assert cluster.run(fine) == [0, 1]
 
 
 def test_every_ranks_ledger_reaches_the_kernels_named_by_rank(cluster):
@@ -453,6 +464,26 @@ def test_a_killed_rank_ends_the_call_within_seconds_and_restart_brings_the_clust
         assert c.run(lambda r, s, p: r * 10) == [0, 10] and victim not in {r.pid for r in c.ranks}
         _a_trainer_whose_rank_died_resumes_bit_for_bit(c, tmp_path)
         _a_preempted_rank_saves_its_step_and_the_run_resumes_bit_for_bit(c, tmp_path)
+        # a rank raised while the other waits for it in a collective: that one is stopped
+        stuck = (
+            "import os\nfrom jax.experimental import multihost_utils\nif os.environ['MGKIT_RANK'] == '0':\n"
+        )
+        stuck += "    raise ValueError('bad row 8')\nmultihost_utils.sync_global_devices('never')\n"
+        t0 = time.monotonic()
+        with pytest.raises(
+            mg.LaunchError, match=r"rank 0 .* bad row 8; the ranks waiting .* c\.restart"
+        ) as info:
+            c.run_cell(stuck)
+        assert time.monotonic() - t0 < 1.0 + 2.0 + 5.0
+        text = str(info.value)
+        where = (
+            r"rank 1 \(pid \d+, .*\): waited for rank 0 where no signal reaches \(a collective, in <module>"
+        )
+        assert re.search(where + r" \(the cell's line 5\)\)", text), text
+        assert "Python stacks of rank 1" in text and "Python stacks of rank 0" not in text
+        with pytest.raises(RuntimeError, match=r"rank 0 raised .* c\.restart\(\)"):
+            c.run(lambda r, s, p: r)
+        c.restart()
         c.stall_after, c.on_stall = 1.0, "raise"  # a stall ends the call, its ranks stopped
         hang = _CHECKPOINTED.replace("FOLDER", "None").replace(
             "time.sleep(0.03)", "time.sleep(60 if step == 5 else 0)"

@@ -39,8 +39,19 @@ from ..launching import (
     steps_text,
 )
 from . import _guard, _rank
-from ._engines import LAUNCHERS, IPyParallel, Pending, check_gpus, device_groups, engine_env, family, reap
-from ._report import HEADERS, interrupted, is_preempted, preempted_error, rows, title
+from ._engines import (
+    LAUNCHERS,
+    IPyParallel,
+    Pending,
+    check_gpus,
+    connection_path,
+    device_groups,
+    engine_env,
+    family,
+    launcher_script,
+    reap,
+)
+from ._report import HEADERS, Raise, interrupted, is_preempted, preempted_error, raised_error, rows, title
 from ._stream import BATCH, RATE, SIZE, Streams
 from ._watch import Watch, stacks
 
@@ -50,6 +61,7 @@ _WHERE = "mg.Cluster"
 _OWN_ENV = ("CUDA_VISIBLE_DEVICES", "JAX_NUM_CPU_DEVICES", "MGKIT_SIMULATE", "JAX_PLATFORMS", "MGKIT_RANK")
 POLL = 0.05  # seconds between two looks at the ranks while a call runs
 INTERRUPT_WAIT = 2.0  # seconds the ranks have to stop after Ctrl-C
+PEER_WAIT = 1.0  # seconds the other ranks have to finish after one raised, before they are stopped
 _CURRENT: list[Cluster] = []  # the cluster %%mgkit_all runs on: the newest one still open
 
 
@@ -156,19 +168,7 @@ class Cluster:
         """A cluster on an ipcluster someone already started: ``connection_file`` is its client
         connection file (``ipcontroller-client.json``). Its engines are set up as a started
         cluster's are; ``close()`` disconnects and leaves them running."""
-        path = os.fspath(connection_file) if isinstance(connection_file, str | os.PathLike) else None
-        if path is None:
-            raise TypeError(
-                f"mg.Cluster.connect: connection_file must be a path, got {type(connection_file).__name__} "
-                f"{connection_file!r}; e.g. '~/.ipython/profile_default/security/ipcontroller-client.json'"
-            )
-        path = os.path.expanduser(path)
-        if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            why = "does not exist" if not os.path.exists(path) else "cannot be read"
-            raise FileNotFoundError(
-                f"mg.Cluster.connect({connection_file!r}): the connection file {why}; it is written by "
-                "`ipcluster start` in the profile's security folder (ipcontroller-client.json)"
-            )
+        path = connection_path(connection_file, "mg.Cluster.connect")
         return cls(1, devices_per_engine, distributed=distributed, timeout=timeout, _file=path)
 
     # -- starting --------------------------------------------------------------------------
@@ -306,14 +306,16 @@ class Cluster:
 
     def _wait(self, pending: Pending, during: str, quiet: bool = False) -> list:
         """Waits for every rank, printing their output as it comes; the values, in rank order.
-        A rank that raised ends it in one LaunchError (after the others finish); a rank whose
-        process is gone ends it at once, the others stopped; Ctrl-C interrupts every rank."""
+        A rank that raised ends it in one LaunchError once the others finish, or are stopped
+        (``_after_a_raise``); a rank whose process is gone ends it at once, the others stopped;
+        Ctrl-C interrupts every rank."""
         shown = [0] * self.engines
         streams = getattr(self, "streams", None) if during == "run" else None
         self.calls += during == "run"
         for info in self.ranks:
-            info.state = "running"
+            info.state, info.reason = "running", ""  # (a reason from an earlier call is gone)
         watch = Watch(self.ranks, self.stall_after, self._collectives) if streams is not None else None
+        raised = Raise(time.time())  # a rank that raised while others still ran
         try:
             while not all(pending.done()):
                 if not quiet:
@@ -324,6 +326,7 @@ class Cluster:
                 gone = self._gone(pending)
                 if gone is not None:
                     self._lose(gone, pending, shown)
+                self._after_a_raise(pending, shown, raised)
                 pending.wait(POLL)  # returns as the last rank finishes
         except KeyboardInterrupt:
             self._interrupt(pending, shown)
@@ -333,7 +336,7 @@ class Cluster:
         if streams is not None:
             self._drain(streams, pending)
         outcomes = [pending.result(r) for r in range(self.engines)]
-        return self._outcome(outcomes, pending)
+        return self._outcome(outcomes, raised)
 
     def stream(self, on: bool = True) -> None:
         """Starts (``True``) or stops sending each rank's ledger entries to the kernel's ledger."""
@@ -410,7 +413,7 @@ class Cluster:
         head = f"{self.lost}; the other ranks were stopped, and the cluster needs c.restart()"
         raise launch_error(head, Failure("signal", f"died ({how})"), self.ranks, rank, [None] * self.engines)
 
-    def _outcome(self, outcomes: list[tuple[str, Any]], pending: Pending) -> list:
+    def _outcome(self, outcomes: list[tuple[str, Any]], raised: Raise) -> list:
         failed = [r for r, (kind, _) in enumerate(outcomes) if kind != "ok"]
         for r, (kind, _) in enumerate(outcomes):
             if r < len(self.ranks):
@@ -421,28 +424,32 @@ class Cluster:
         if preempted:
             self.lost, error = preempted_error(outcomes, preempted, self.ranks, self.hosts)
             raise error
-        root = failed[0]
-        kind, facts = outcomes[root]
-        host = self.hosts[root] if root < len(self.hosts) else "?"
-        pid = self.ranks[root].pid if root < len(self.ranks) else "?"
-        if kind == "unsendable":
-            head = (
-                f"rank {root} ({host}, pid {pid}) returned a {facts['type']}, which cannot be sent back "
-                f"({facts['error']}); return plain data or numpy arrays"
-            )
-            failure = Failure("unsendable", head)
-        else:
-            head = f"rank {root} ({host}, pid {pid}) raised {facts['type']}: {facts['message']}"
-            exception = None
-            if facts.get("exception"):
-                with contextlib.suppress(Exception):
-                    exception = cloudpickle.loads(facts["exception"])
-            failure = Failure("raised", head, facts["type"], facts["traceback"], exception)
-        for r in failed[1:]:
-            other = outcomes[r][1]
-            self.ranks[r].reason = f"raised {other.get('type', '?')}: {other.get('message', '')}"
-        results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
-        raise launch_error(head + " (the cluster stays warm)", failure, self.ranks, root, results)
+        raise raised_error(outcomes, self.ranks, self.hosts, raised)
+
+    def _after_a_raise(self, pending: Pending, shown: list[int], raised: Raise) -> None:
+        """A rank raised while others still run, which may wait for it in a collective: after
+        ``PEER_WAIT`` s they get SIGINT (a fit stops at its next step boundary; a second SIGINT
+        half way through ``INTERRUPT_WAIT`` if needed). Those still running then wait where no
+        signal reaches: their stacks are taken, their engines stopped (the cluster needs
+        ``c.restart()``) and one LaunchError raised. ``raised`` is filled in here."""
+        done = pending.done()
+        if raised.rank is None:
+            first = next((r for r, d in enumerate(done) if d and pending.result(r)[0] == "error"), None)
+            if first is not None and not all(done) and not is_preempted(pending.result(first)):
+                raised.rank, raised.at = first, time.monotonic()  # (a preemption stops every rank itself)
+            return
+        if raised.stopped or time.monotonic() - raised.at < PEER_WAIT:
+            return
+        raised.stopped = [r for r, finished in enumerate(done) if not finished]
+        self._sigint(pending, again_at=INTERRUPT_WAIT / 2)
+        if all(pending.done()):
+            return
+        taken = {r: text for r, text in self.stacks().items() if not pending.done()[r]}
+        self._show(pending, shown, final=True)
+        self._kill_engines()
+        outcomes = [pending.result(r) if d else ("running", None) for r, d in enumerate(pending.done())]
+        self.lost = f"rank {raised.rank} raised and the ranks waiting for it in a collective were stopped"
+        raise raised_error(outcomes, self.ranks, self.hosts, raised, taken)
 
     def stacks(self) -> dict[int, str]:
         """Every rank's Python stacks now (all threads; faulthandler's, so also of a rank whose
@@ -484,18 +491,26 @@ class Cluster:
         at its next boundary, agreed or not). Raises KeyboardInterrupt saying where each rank
         stopped, or that it still runs (its fit stops at the agreed boundary; the next call
         waits for it)."""
-        self._signal([r for r, d in enumerate(pending.done()) if not d], signal.SIGINT)
-        deadline, again = time.monotonic() + INTERRUPT_WAIT, False
-        while not all(pending.done()) and time.monotonic() < deadline:
-            try:
-                time.sleep(POLL)
-            except KeyboardInterrupt:
-                if not again:
-                    self._signal([r for r, d in enumerate(pending.done()) if not d], signal.SIGINT)
-                    again = True
+        self._sigint(pending, again_at=None)
         with contextlib.suppress(Exception):
             self._show(pending, shown, final=True)
         raise interrupted(self.ranks, self.hosts, pending, INTERRUPT_WAIT)
+
+    def _sigint(self, pending: Pending, again_at: float | None) -> None:
+        """SIGINT to the ranks still running, then a wait of up to ``INTERRUPT_WAIT`` s for them;
+        a second SIGINT to those still running after ``again_at`` s, or at a Ctrl-C meanwhile."""
+        running = lambda: [r for r, finished in enumerate(pending.done()) if not finished]  # noqa: E731
+        self._signal(running(), signal.SIGINT)
+        start, again = time.monotonic(), again_at
+        while running() and time.monotonic() < start + INTERRUPT_WAIT:
+            try:
+                time.sleep(POLL)
+                if again is not None and time.monotonic() > start + again:
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                if again != -1:
+                    self._signal(running(), signal.SIGINT)
+                    again = -1
 
     def _signal(self, ranks: list[int], signum: int) -> None:
         """``signum`` to these ranks: straight to the processes this machine started, else
@@ -579,13 +594,4 @@ class Cluster:
         ``pbs``: the batch script) to start ``engines`` engines, for checking before a real
         allocation. Each engine chooses its ``devices_per_engine`` devices when the cluster
         sets it up (``CUDA_VISIBLE_DEVICES`` by its place on its host)."""
-        from ._engines import launcher_script
-
-        n = whole(engines, "engines", "Cluster.script", lo=1, example=16)
-        whole(devices_per_engine, "devices_per_engine", "Cluster.script", lo=1, example=1)
-        if launcher not in LAUNCHERS or launcher == "local":
-            raise ValueError(
-                f"Cluster.script: launcher={launcher!r}; scripts are for 'mpi', 'slurm' or 'pbs' "
-                "(the local launcher runs processes on this machine)"
-            )
-        return launcher_script(n, launcher)
+        return launcher_script(engines, launcher, devices_per_engine)

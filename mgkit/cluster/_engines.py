@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import missing
+from .._numbers import whole
 from ..launching import gpu_ids
 
 LAUNCHERS = {"local": "Local", "mpi": "MPI", "slurm": "Slurm", "pbs": "PBS"}  # ours -> ipyparallel's
@@ -296,9 +297,17 @@ class IPyParallel(Engines):
             self._profile = None
 
 
-def launcher_script(n: int, launcher: str) -> str:
+def launcher_script(engines: Any, launcher: Any, devices_per_engine: Any = 1) -> str:
     """The command (``mpi``) or batch script (``slurm``, ``pbs``) ipyparallel's engine launcher
-    would run or submit for ``n`` engines, made without running or submitting anything."""
+    would run or submit for ``engines`` engines, made without running or submitting anything
+    (``Cluster.script``; its arguments checked here)."""
+    n = whole(engines, "engines", "Cluster.script", lo=1, example=16)
+    whole(devices_per_engine, "devices_per_engine", "Cluster.script", lo=1, example=1)
+    if launcher not in LAUNCHERS or launcher == "local":
+        raise ValueError(
+            f"Cluster.script: launcher={launcher!r}; scripts are for 'mpi', 'slurm' or 'pbs' "
+            "(the local launcher runs processes on this machine)"
+        )
     require_ipyparallel("mg.Cluster.script")
     from ipyparallel.cluster import launcher as launchers
 
@@ -400,3 +409,22 @@ def _is_nanny(proc: Any) -> bool:
         return "ipyparallel.engine.nanny" in proc.cmdline()
     except psutil.Error:  # gone already
         return False
+
+
+def connection_path(connection_file: Any, where: str) -> str:
+    """``connection_file`` (an ipcluster's ``ipcontroller-client.json``) as a path to a file that
+    exists and can be read, ``~`` expanded; else a clear error."""
+    path = os.fspath(connection_file) if isinstance(connection_file, str | os.PathLike) else None
+    if path is None:
+        raise TypeError(
+            f"{where}: connection_file must be a path, got {type(connection_file).__name__} "
+            f"{connection_file!r}; e.g. '~/.ipython/profile_default/security/ipcontroller-client.json'"
+        )
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        why = "does not exist" if not os.path.exists(path) else "cannot be read"
+        raise FileNotFoundError(
+            f"{where}({connection_file!r}): the connection file {why}; it is written by "
+            "`ipcluster start` in the profile's security folder (ipcontroller-client.json)"
+        )
+    return path

@@ -1,8 +1,11 @@
 """How a cluster says where it stands and how a call ended, in words: its table (rank, host,
-pid, devices, state, last beat), the error of a preemption, and what Ctrl-C left on each rank."""
+pid, devices, state, last beat), the errors of a rank that raised and of a preemption, and what
+Ctrl-C left on each rank."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -92,3 +95,88 @@ def interrupted(
         lines.append(f"  rank {info.rank} ({host}): {(what.splitlines() or [''])[0]}")
     head = "Ctrl-C stopped the call on the ranks; the cluster stays warm:"
     return KeyboardInterrupt("\n".join([head, *lines]))
+
+
+@dataclasses.dataclass
+class Raise:
+    """A call's first rank that raised while others still ran (``rank``, None until one did, at
+    ``at``, ``time.monotonic()``), and the ranks then interrupted (``stopped``)."""
+
+    began: float  # time.time() when the call began: a rank's step from before it is not told
+    rank: int | None = None
+    at: float = 0.0
+    stopped: list[int] = dataclasses.field(default_factory=list)
+
+
+def raised_error(
+    outcomes: Sequence[tuple[str, Any]],
+    ranks: Sequence[RankInfo],
+    hosts: Sequence[str],
+    raised: Raise,
+    stacks: dict[int, str] | None = None,
+) -> LaunchError:
+    """A rank raised (``raised.rank``, else the first that did not reply "ok": it may have
+    returned what cannot be sent back): the error naming it and every other rank's fate.
+    ``raised.stopped``: the ranks still running when it raised, then interrupted (a fit at its
+    next step boundary); with ``stacks`` they were stuck where no signal reaches (a collective
+    waiting for it) and were stopped with their engines: the cluster needs ``c.restart()``. An
+    outcome ("running", None) is a rank that never replied."""
+    stopped = raised.stopped
+    root = raised.rank
+    if root is None:
+        root = next(r for r, (kind, _) in enumerate(outcomes) if kind != "ok")
+    kind, facts = outcomes[root]
+    if root < len(ranks):
+        ranks[root].state = "raised" if kind == "error" else kind
+    host = hosts[root] if root < len(hosts) else "?"
+    pid = ranks[root].pid if root < len(ranks) else "?"
+    exception = None
+    if kind == "unsendable":
+        head = (
+            f"rank {root} ({host}, pid {pid}) returned a {facts['type']}, which cannot be sent back "
+            f"({facts['error']}); return plain data or numpy arrays"
+        )
+        failure = Failure("unsendable", head)
+    else:
+        head = f"rank {root} ({host}, pid {pid}) raised {facts['type']}: {facts['message']}"
+        if facts.get("exception"):
+            with contextlib.suppress(Exception):
+                exception = cloudpickle.loads(facts["exception"])
+        failure = Failure("raised", head, facts["type"], facts["traceback"], exception, stacks or {})
+    for r, (k, other) in enumerate(outcomes):
+        if r == root or r >= len(ranks):
+            continue
+        info = ranks[r]
+        beat = info.step is not None and (info.beat_at or 0.0) >= raised.began
+        step = f", last completed step {info.step}" if beat else ""
+        if r in stopped and stacks is not None:
+            info.state = "stopped"
+            where = waiting_in(stacks.get(r, ""))
+            info.reason = f"waited for rank {root} where no signal reaches (a collective{where}){step}"
+        elif r in stopped:
+            info.state = "stopped"
+            how = "" if k == "ok" else f" ({other['type']})"
+            info.reason = f"stopped after rank {root} raised{step}{how}"
+        elif k not in ("ok", "running"):
+            info.reason = f"raised {other.get('type', '?')}: {other.get('message', '')}"
+    results = [cloudpickle.dumps(v) if k == "ok" else None for k, v in outcomes]
+    tail = (
+        " (the cluster stays warm)"
+        if stacks is None
+        else "; the ranks waiting for it were stopped: call c.restart()"
+    )
+    return launch_error(head + tail, failure, ranks, root, results)
+
+
+def waiting_in(stacks: str) -> str:
+    """Where a rank's main thread is, from its faulthandler stacks: ", in f (file.py:12)" for its
+    innermost frame of the user's or mgkit's code (not an installed library's nor Python's own);
+    "" when the text does not say."""
+    main = stacks.split("Current thread", 1)[1] if "Current thread" in stacks else ""
+    frames = re.findall(r'File "([^"]*)", line (\d+) in (\S+)', main.split("\n\n", 1)[0])
+    ours = [f for f in frames if not re.search(r"site-packages|dist-packages|/lib/python3[.\d]*/", f[0])]
+    if not (ours or frames):
+        return ""
+    path, line, name = (ours or frames)[0]
+    place = f"the cell's line {line}" if "/ipykernel_" in path else f"{path.rsplit('/', 1)[-1]}:{line}"
+    return f", in {name} ({place})"
