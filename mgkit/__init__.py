@@ -63,8 +63,10 @@ from .train import Member as Member
 from .train import MemberError as MemberError
 from .train import Pipeline as Pipeline
 from .train import PrecisionWarning as PrecisionWarning
+from .train import StepPlan as StepPlan
 from .train import Trainer as Trainer
 from .train import fits as fits
+from .train import plan as plan
 
 __all__ = [
     "AnnotationWarning",
@@ -98,6 +100,7 @@ __all__ = [
     "Schedule",
     "ShardingView",
     "StallWarning",
+    "StepPlan",
     "ThroughputView",
     "Trainer",
     "TransferView",
@@ -119,6 +122,7 @@ __all__ = [
     "memory_limit",
     "on",
     "parallel",
+    "plan",
     "pmap",
     "prefetch",
     "profile",

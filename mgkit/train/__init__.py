@@ -8,7 +8,9 @@ there, the parameters copied back) where contexts share a device or mix kinds. `
 returns a ``History``. With ``shard="fsdp"`` (or rules, or ``mesh=`` for tensor parallelism)
 parameters and optimizer state are split over the contexts, planned from shapes (``_plan``) and
 laid on the devices (``_shard``), or as a Flax model's own annotations say (``_annotations``);
-``mg.fits`` plans the bytes per context from shapes before anything is allocated (``_memory``).
+``mg.fits`` plans the bytes per context from shapes before anything is allocated (``_memory``);
+``Trainer.plan`` and ``mg.plan`` compile the step ahead of time for a grid of layouts and read
+its memory, communication and flops, with a predicted step time (``_ahead``).
 
 ``mg.Ensemble({ctx: mg.Member(...)})`` trains different models side by side, one per context
 (or several on one); ``mg.Pipeline([(ctx, fn, params), ...], loss)`` splits one model
@@ -24,6 +26,9 @@ optimizer, seed, ``on_nan``, ``prefetch`` and checkpoint folder where the model 
 float16 over float32 parameters, with float16's dynamic loss scale (``_precision``).
 """
 
+from ._ahead import PlanRow as PlanRow
+from ._ahead import StepPlan as StepPlan
+from ._ahead import plan as plan
 from ._annotations import AnnotationWarning as AnnotationWarning
 from ._ensemble import Ensemble as Ensemble
 from ._history import History as History
@@ -52,8 +57,11 @@ __all__ = [
     "MemberResult",
     "MemoryTable",
     "Pipeline",
+    "PlanRow",
     "PrecisionWarning",
+    "StepPlan",
     "StepsSkipped",
     "Trainer",
     "fits",
+    "plan",
 ]

@@ -17,6 +17,7 @@ from .._profile import step_scope
 from .._spmd import Communication, Targets, Watch, communication, resolve, sharding, shares
 from . import _data, _orbax
 from ._accumulate import check_rows
+from ._ahead import PlansAhead
 from ._checkpoint import Checkpointing, Checkpoints
 from ._checks import check_key, check_loss_fn, check_loss_on, check_optimizer
 from ._feed import Feed
@@ -32,7 +33,7 @@ from ._step import StepOut, place_parts, place_spmd_batch, replicas_of, speeds, 
 _WHERE = "Trainer"
 
 
-class Trainer(Checkpointing):
+class Trainer(Checkpointing, PlansAhead):
     """Trains one model on every context in the map (or ``contexts``) with an optax optimizer.
 
     >>> import mgkit as mg, optax, jax.numpy as jnp, numpy as np
@@ -134,7 +135,7 @@ class Trainer(Checkpointing):
         self._model, shapes = start.model, start.shapes  # the arrays and the leaves held as given
         self._loss = self._model.bind(loss_fn)  # loss_fn of the model's arrays
         self.loss_fn, self.optimizer, self.has_aux = loss_fn, optimizer, bool(has_aux)
-        self.on_nan, self.balance = on_nan, balance
+        self.on_nan, self.balance, self.shard, self.mesh = on_nan, balance, shard, mesh
         self.seed = whole(seed, "seed", _WHERE, lo=0, example=0)
         self.prefetch = whole(prefetch, "prefetch", _WHERE, lo=0, example=2, note="batches placed ahead")
         self._key = check_key(key, _WHERE)

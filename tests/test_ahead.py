@@ -1,0 +1,157 @@
+"""A step planned ahead of time (``Trainer.plan``, ``mg.plan``): compiled from shapes for each
+layout of a grid, nothing allocated, its memory what the running step's program needs; and the
+roofline model that predicts its time (``mgkit._roofline``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mgkit as mg
+from mgkit import _roofline
+from mgkit._oom import program_bytes
+
+WIDTH = 256
+
+
+def _loss(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    h = jnp.tanh(h @ p["w2"])
+    return jnp.mean((h @ p["w3"] - b["y"]) ** 2)
+
+
+def _params():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    return {
+        "w1": jax.random.normal(k1, (32, WIDTH)) * 0.1,
+        "w2": jax.random.normal(k2, (WIDTH, WIDTH)) * 0.1,
+        "w3": jax.random.normal(k3, (WIDTH, 1)) * 0.1,
+    }
+
+
+def _batch(rows=128):
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(rows, 32)).astype(np.float32),
+        "y": rng.normal(size=(rows, 1)).astype(np.float32),
+    }
+
+
+def _live() -> int:
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+@pytest.mark.parametrize("shard", ["replicate", "fsdp"])
+def test_the_planned_peak_is_what_the_running_step_needs_and_nothing_is_allocated(shard):
+    tr = mg.Trainer(_loss, optax.adam(1e-3), _params(), shard=shard)
+    before = _live()
+    planned = tr.plan(_batch())
+    assert _live() == before  # shapes only: not an array of the model was made
+    (row,) = planned.rows()
+    assert (row.contexts, row.shard, row.accumulate, row.precision) == (8, shard, 1, "fp32")
+    tr.fit(lambda step: _batch(), steps=1, progress=False)
+    (reading,) = [r for r in tr._collectives._readings.values() if r.compiled is not None]
+    assert row.peak == program_bytes(reading.compiled)  # the very program the fit compiled
+    assert row.peak >= row.arguments + row.temporaries > 0
+    assert row.sent == tr.communication().sent and row.flops == tr.communication().flops
+
+
+def test_a_grid_is_every_combination_in_order_and_planned_again_compiles_nothing():
+    tr = mg.Trainer(_loss, optax.adam(1e-3), _params())
+    grid = {"contexts": [4, 8], "shard": ["replicate", "fsdp"], "accumulate": [1, 4]}
+    planned = tr.plan(_batch(), **grid)
+    rows = planned.rows()
+    assert [(r.contexts, r.shard, r.accumulate) for r in rows] == [
+        (n, s, a) for n in (4, 8) for s in ("replicate", "fsdp") for a in (1, 4)
+    ]
+    by = {(r.contexts, r.shard, r.accumulate): r for r in rows}
+    # fsdp holds an eighth (a quarter on 4) of the state; replicated, only the batch's share differs
+    assert by[(8, "fsdp", 1)].arguments < by[(4, "fsdp", 1)].arguments < by[(4, "replicate", 1)].arguments
+    share = (128 // 4 - 128 // 8) * (32 + 1) * 4  # rows x (x's and y's floats) x 4 bytes
+    assert by[(4, "replicate", 1)].arguments - by[(8, "replicate", 1)].arguments == share
+    # the same arithmetic in four microbatches; fsdp gathers the parameters in each (4x the sending)
+    for shard in ("replicate", "fsdp"):
+        one, four = by[(8, shard, 1)], by[(8, shard, 4)]
+        assert 0.8 < four.flops / one.flops < 1.3, (shard, four.flops, one.flops)
+    assert by[(8, "fsdp", 4)].sent > 2 * by[(8, "fsdp", 1)].sent
+    assert all(r.compile_seconds > 0 for r in rows) and all(r.seconds > 0 for r in rows)
+    again = tr.plan(_batch(), **grid)
+    assert [r.compile_seconds for r in again.rows()] == [0.0] * 8
+    assert [r.peak for r in again.rows()] == [r.peak for r in rows]
+    text = repr(planned)
+    assert "8 layout(s) compiled ahead of time from shapes, nothing allocated" in text
+    assert "predicted step" in text and "calibrated, 1/8 each" in text
+
+
+def test_a_memory_budget_marks_what_fits_and_best_is_the_fastest_that_fits():
+    shapes = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((64, 1024), jnp.float32)}
+    loss = lambda p, b: jnp.mean(jnp.tanh(b["x"] @ p["w"]))  # noqa: E731
+    planned = mg.plan(
+        loss, optax.adam(1e-3), shapes, batch, contexts=8, shard=["replicate", "fsdp"], memory="12MiB"
+    )
+    replicated, split = planned.rows()
+    assert replicated.arguments > 12 * 2**20 and replicated.fits is False  # 4 MiB of w, 8 of adam's moments
+    assert split.fits is True and split.limit == 12 * 2**20
+    # what mg.fits cannot see: the step gathers w whole (4 MiB) and makes its whole gradient
+    assert split.temporaries > 8 * 2**20 > 2 * 2**20 > split.arguments
+    assert planned.best() is split
+    assert mg.plan(loss, optax.sgd(0.1), shapes, batch, contexts=8, memory="1KiB").best() is None
+    assert "NO" in repr(planned)
+
+
+def test_reduced_precision_and_a_key_and_aux_are_planned_as_the_trainer_runs_them():
+    def loss(p, b, key):
+        drop = jax.random.bernoulli(key, 0.9, b["x"].shape)
+        return _loss(p, {**b, "x": b["x"] * drop}), {"mean": jnp.mean(b["x"])}
+
+    tr = mg.Trainer(loss, optax.adam(1e-3), _params(), key=jax.random.key(1), has_aux=True)
+    rows = tr.plan(_batch(100), contexts=4, precision=["fp32", "bf16", "fp16"]).rows()  # 100 rows: 4 x 25
+    assert [r.precision for r in rows] == ["fp32", "bf16", "fp16"] and all(r.peak > 0 for r in rows)
+    uneven = tr.plan(_batch(101), contexts=4).rows()[0]  # the last row on every context, as fit places it
+    assert uneven.rows == 101 and uneven.peak > 0
+
+
+def test_bad_grids_are_named():
+    tr = mg.Trainer(_loss, optax.adam(1e-3), _params())
+    cases = [
+        ({"shard": []}, ValueError, r"shard=\[\] is an empty grid"),
+        ({"shard": "bogus"}, ValueError, r"bogus"),
+        ({"contexts": 9}, ValueError, r"9"),
+        ({"accumulate": [1, 0]}, ValueError, r"accumulate"),
+        ({"accumulate": 1000}, ValueError, r"accumulate=1000 is more than the batch's 128 rows"),
+        ({"precision": "fp8"}, ValueError, r"precision='fp8' is not one of"),
+        ({"memory": "lots"}, ValueError, r"memory"),
+    ]
+    for kwargs, kind, words in cases:
+        with pytest.raises(kind, match=words):
+            tr.plan(_batch(), **kwargs)
+    with pytest.raises(ValueError, match=r"Trainer\.plan: the batch has no arrays"):
+        tr.plan({})
+    mg.use_contexts("a->cpu0;b->cpu0", verbose=False)
+    try:
+        with pytest.raises(ValueError, match=r"share a device or mix kinds, so their step is the gather"):
+            tr.plan(_batch(), contexts=["a", "b"])
+    finally:
+        mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(8)), verbose=False)
+
+
+def test_known_accelerators_come_from_the_table_and_others_are_calibrated():
+    h100 = _roofline.known("NVIDIA H100 80GB HBM3", reduced=True)
+    pcie = _roofline.known("NVIDIA H100 PCIe", reduced=True)
+    assert h100.source == "table: H100" and h100.flops == 989e12 and h100.link == 450e9
+    assert pcie.source == "table: H100 PCIe" and pcie.link < h100.link
+    assert _roofline.known("NVIDIA H200", reduced=False).bandwidth == 4.8e12
+    assert _roofline.known("cpu", reduced=False) is None
+    cpu = _roofline.figures(jax.devices()[0])
+    assert cpu.source == "calibrated" and cpu.flops > 1e8 and cpu.bandwidth > 1e7 and cpu.dispatch < 0.1
+    assert _roofline.figures(jax.devices()[1]) is cpu  # once per session
+    assert cpu.shared(8).flops == cpu.flops / 8
+
+
+def test_the_roofline_overlaps_compute_and_memory_and_adds_communication_and_dispatch():
+    f = _roofline.Figures(flops=1e12, bandwidth=1e11, link=1e10, dispatch=1e-5, source="test")
+    p = _roofline.predict(2e9, 1e8, 1e7, f)  # 2 ms of compute, 1 ms of memory, 1 ms sending
+    assert p.seconds == pytest.approx(2e-3 + 1e-3 + 1e-5) and p.bound == "compute"
+    assert _roofline.predict(None, 1e9, 0, f).bound == "memory"
