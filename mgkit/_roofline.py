@@ -4,6 +4,7 @@ A step's time on one context is predicted as
 
     max(flops / peak flop/s, bytes accessed / memory bandwidth)   (compute or memory, overlapped)
     + bytes the busiest context sends / link bandwidth            (collectives, not overlapped)
+    + hops x link latency                                          (each ring step of each collective)
     + dispatch                                                     (launching one program)
 
 with ``flops`` and ``bytes accessed`` from XLA's cost analysis of the partitioned program (per
@@ -12,7 +13,9 @@ device's figures come from ``KNOWN`` (datasheet figures of common accelerators, 
 device; the link is NVLink's per direction, or PCIe's where the device's kind says PCIe) and,
 on a CPU or a device not in the table, from a calibration timed once per session: a float32
 matmul (peak), a copy (memory bandwidth), a transfer between two devices (link) and a tiny
-program (dispatch). Simulated CPU devices share the host's cores: n of them running one step
+program (dispatch); the latency of a hop is a small transfer's time (a table device: 10 us).
+A ring collective over p contexts takes p - 1 hops (an all-reduce 2 (p - 1): a reduce-scatter
+then an all-gather). Simulated CPU devices share the host's cores: n of them running one step
 each get 1/n of the calibrated host each (``Figures.shared``).
 """
 
@@ -48,13 +51,15 @@ KNOWN: tuple[tuple[str, tuple[float, float, float, float]], ...] = (
 
 class Figures(NamedTuple):
     """What one context can do: peak flop/s, memory and link bytes/s, seconds to dispatch a
-    program, and where the figures come from (``"table: H100"`` or ``"calibrated"``)."""
+    program and for one hop of a collective, and where the figures come from (``"table: H100"``
+    or ``"calibrated"``)."""
 
     flops: float
     bandwidth: float
     link: float
     dispatch: float
     source: str
+    latency: float = 10e-6
 
     def shared(self, n: int) -> Figures:
         """The figures of one of ``n`` simulated CPU devices that run at once on the host's cores."""
@@ -88,15 +93,22 @@ class Prediction(NamedTuple):
         return max(parts, key=parts.get)
 
 
-def predict(flops: float | None, accessed: float | None, sent: float, figures: Figures) -> Prediction:
+def predict(
+    flops: float | None, accessed: float | None, sent: float, figures: Figures, hops: int = 0
+) -> Prediction:
     """The roofline prediction of one step (see the module's text); unknown flops or bytes
     count as none."""
     return Prediction(
         (flops or 0.0) / figures.flops,
         (accessed or 0.0) / figures.bandwidth,
-        sent / figures.link,
+        sent / figures.link + hops * figures.latency,
         figures.dispatch,
     )
+
+
+def hops(ops: list[tuple[str, int, int]]) -> int:
+    """The ring steps of collectives given as (op, count, contexts each joins)."""
+    return sum(count * max(0, n - 1) * (2 if op == "all-reduce" else 1) for op, count, n in ops)
 
 
 def known(kind: str, reduced: bool) -> Figures | None:
@@ -146,9 +158,11 @@ def calibrate(device: jax.Device) -> Figures:
     if peers:
         moving = jax.device_put(np.ones((4 * 2**20,), np.float32), device)
         link = moving.nbytes / _best(lambda: jax.device_put(moving, peers[0]))
+        small = jax.device_put(np.ones((16,), np.float32), device)
+        latency = _best(lambda: jax.device_put(small, peers[0]), repeats=20)
     else:
-        link = bandwidth
+        link, latency = bandwidth, 0.0
     tiny = jax.device_put(jnp.ones((), jnp.float32), device)
     noop = jax.jit(lambda x: x + 1)
     dispatch = _best(lambda: noop(tiny), repeats=20)
-    return Figures(peak, bandwidth, link, dispatch, "calibrated")
+    return Figures(peak, bandwidth, link, dispatch, "calibrated", latency)

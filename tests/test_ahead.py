@@ -155,3 +155,78 @@ def test_the_roofline_overlaps_compute_and_memory_and_adds_communication_and_dis
     p = _roofline.predict(2e9, 1e8, 1e7, f)  # 2 ms of compute, 1 ms of memory, 1 ms sending
     assert p.seconds == pytest.approx(2e-3 + 1e-3 + 1e-5) and p.bound == "compute"
     assert _roofline.predict(None, 1e9, 0, f).bound == "memory"
+
+
+def _mlp_params():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {"w1": jax.random.normal(k1, (512, 512)) * 0.05, "w2": jax.random.normal(k2, (512, 1)) * 0.05}
+
+
+def _mlp_loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+
+def _mlp_batch():
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(64, 512)).astype(np.float32),
+        "y": rng.normal(size=(64, 1)).astype(np.float32),
+    }
+
+
+def test_auto_keeps_the_layout_that_fits_and_trains_as_that_layout_does():
+    # replicated, the state (w1 and adam's two moments, 3 MiB) and the step's temporaries are over 3 MiB
+    tr = mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto", memory="3MiB")
+    assert "until the first step" in tr.layout
+    tr.fit(lambda step: _mlp_batch(), steps=4, progress=False)
+    assert tr.shard == "fsdp" and tr.layout.startswith(
+        "shard='auto' chose fsdp: the fastest predicted that fits"
+    )
+    assert "replicate: peak 5.0 MiB per context" in tr.layout and "over the budget" in tr.layout
+    alone = mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="fsdp")
+    alone.fit(lambda step: _mlp_batch(), steps=4, progress=False)
+    np.testing.assert_array_equal(np.asarray(tr.params["w1"]), np.asarray(alone.params["w1"]))
+
+
+def test_auto_lays_the_state_out_again_when_another_layout_is_predicted_faster(monkeypatch):
+    # a prediction that counts hops only: replicated (one all-reduce) beats fsdp (gathers per leaf)
+    monkeypatch.setattr(
+        _roofline,
+        "predict",
+        lambda flops, accessed, sent, figures, hops=0: _roofline.Prediction(0, 0, hops, 0),
+    )
+    tr = mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto")
+    assert tr.memory().rows()[0].params < 2**20  # placed split until the first step
+    tr.fit(lambda step: _mlp_batch(), steps=4, progress=False)
+    assert tr.shard == "replicate" and "(no memory limit known)" in tr.layout
+    assert tr.memory().rows()[0].params == (512 * 512 + 512) * 4  # whole on each context now
+    alone = mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params())
+    alone.fit(lambda step: _mlp_batch(), steps=4, progress=False)
+    np.testing.assert_allclose(
+        np.asarray(tr.params["w1"]), np.asarray(alone.params["w1"]), rtol=1e-6, atol=1e-7
+    )
+
+
+def test_auto_says_what_did_not_fit_and_how_to_cut_the_step():
+    tr = mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto", memory="1MiB")
+    with pytest.raises(ValueError, match=r"no layout's step fits 1\.0 MiB per context") as info:
+        tr.fit(lambda step: _mlp_batch(), steps=1, progress=False)
+    text = str(info.value)
+    assert (
+        "replicate: peak 5.0 MiB" in text
+        and "fsdp: peak" in text
+        and "accumulate=4" in text
+        and "bf16" in text
+    )
+    with pytest.raises(ValueError, match=r"memory='1MiB' is the budget shard='auto' plans with"):
+        mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), memory="1MiB")
+    with pytest.raises(ValueError, match=r"shard='auto' chooses between replicate and fsdp .* mesh="):
+        mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto", mesh={"data": 2, "model": 4})
+    with pytest.raises(ValueError, match=r"memory='lots' is not a size"):
+        mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto", memory="lots")
+    mg.use_contexts("a->cpu0;b->cpu0", verbose=False)
+    try:
+        with pytest.raises(ValueError, match=r"contexts a, b share a device or mix kinds"):
+            mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto")
+    finally:
+        mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(8)), verbose=False)

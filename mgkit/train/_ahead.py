@@ -97,7 +97,8 @@ class StepPlan(Table):
             f"step plan: {len(rows)} layout(s) compiled ahead of time from shapes, nothing allocated "
             f"({seconds:.1f} s); per context; predicted by the roofline model ({figures.source}: "
             f"{figures.flops:.3g} flop/s, {human_bytes(figures.bandwidth)}/s memory, "
-            f"{human_bytes(figures.link)}/s link, {figures.dispatch * 1e6:.0f} us dispatch)"
+            f"{human_bytes(figures.link)}/s link, {figures.latency * 1e6:.0f} us a hop, "
+            f"{figures.dispatch * 1e6:.0f} us dispatch)"
         )
         super().__init__(rows, title)
 
@@ -201,9 +202,9 @@ def plan_grid(
         own = _roofline.figures(targets.devices[0], prec != "fp32")
         figures = own.shared(len(targets.devices)) if targets.devices[0].platform == "cpu" else own
         reading, seconds = _read(makings, shapes, treedef, targets, spec, mesh, acc, prec, where)
-        flops, accessed, sent, arguments, temporaries, peak = reading
+        flops, accessed, sent, arguments, temporaries, peak, hops = reading
         limit = cap if cap is not None else device_limit(targets.devices[0])
-        predicted = _roofline.predict(flops, accessed, sent, figures)
+        predicted = _roofline.predict(flops, accessed, sent, figures, hops)
         planned.append(
             PlanRow(
                 len(targets.devices),
@@ -237,7 +238,8 @@ def _read(
     where: str,
 ) -> tuple[tuple, float]:
     """The layout's step compiled from shapes and read (cached): (flops, bytes accessed, bytes
-    sent, argument bytes, temporary bytes, peak bytes), and the seconds compiling took (0 when cached)."""
+    sent, argument bytes, temporary bytes, peak bytes, collective hops), and the seconds
+    compiling took (0 when cached)."""
     devices = targets.devices
     p = layout_plan(makings.shapes, spec, mesh, len(devices), where)
     check_distinct(p, targets, where)
@@ -273,6 +275,7 @@ def _read(
         m.argument_size_in_bytes,
         m.temp_size_in_bytes,
         program_bytes(compiled),
+        _roofline.hops([(op, count, n) for op, count, _, _, n in communication.rows()]),
     )
     _readings.add(key, found)
     return found, seconds
@@ -325,8 +328,105 @@ def _abstract(
     return (*args, None, jax.eval_shape(initial_scale)) if prec == "fp16" else args
 
 
+AUTO = ("replicate", "fsdp")  # the layouts shard="auto" plans
+
+
 class PlansAhead:
-    """``Trainer.plan``: the trainer's own step planned for other layouts."""
+    """``Trainer.plan``: the trainer's own step planned for other layouts; ``shard="auto"``: the
+    layout chosen from its step's plan at the first step."""
+
+    def _auto_start(self, shard: Any, memory: Any, mesh: Any, where: str) -> Any:
+        """The ``shard=`` to place the state with now: "fsdp" for ``"auto"`` (the layout is
+        chosen at the first step, ``_choose``), else ``shard``. Sets ``layout``."""
+        self._auto = None  # the budget (bytes or None) while shard="auto" is still to choose
+        if memory is not None and shard != "auto":
+            raise ValueError(
+                f"{where}: memory={memory!r} is the budget shard='auto' plans with; pass shard='auto' too, "
+                "or leave memory out (a state over the devices' limit is refused anyway)"
+            )
+        if shard != "auto":
+            self.layout = f"shard={_words(shard)!r}, as given"
+            return shard
+        if not self.spmd:
+            raise ValueError(
+                f"{where}: shard='auto' chooses the layout of one compiled step over distinct devices of "
+                f"one kind, and contexts {', '.join(self.targets.names)} share a device or mix kinds (their "
+                "step is the gather-update-copy loop, which keeps the state whole on each); leave shard out"
+            )
+        if mesh is not None:
+            raise ValueError(
+                f"{where}: shard='auto' chooses between {' and '.join(AUTO)} over one axis of contexts; "
+                "with mesh= give the rules (shard={'w.*': (None, 'model')}), or leave mesh out"
+            )
+        self._auto = ("budget", None if memory is None else nbytes(memory, "memory", where, example="70GiB"))
+        self.layout = "shard='auto': placed fsdp until the first step, which chooses the layout"
+        return "fsdp"
+
+    def _choose(self, placed: tuple) -> None:
+        """``shard="auto"`` at the first step: each of ``AUTO`` planned with this batch (``placed``,
+        the step's even and last rows) at the fit's accumulate and precision; the one that fits
+        with the least predicted step time is kept, the state laid out again where it is not
+        the layout it lies in. None fits: an error naming each one's peak and the fixes."""
+        if self._auto is None:
+            return
+        where = "Trainer(shard='auto')"
+        trees = [tree for tree in placed if tree is not None]
+        rows = sum(jax.tree_util.tree_leaves(tree)[0].shape[0] for tree in trees)
+        batch = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), trees[0]
+        )
+        planned = plan_grid(
+            self._makings(), batch, self.targets.names, list(AUTO), self._accumulate, self._precision,
+            self._auto[1], None, where,
+        )  # fmt: skip
+        best = planned.best()
+        lines = [
+            f"  {r.shard}: peak {human_bytes(r.peak)} per context (state and batch "
+            f"{human_bytes(r.arguments)}, temporaries {human_bytes(r.temporaries)})"
+            f"{'' if r.fits is None else ', fits' if r.fits else ', over the budget'}, predicted "
+            f"{r.seconds * 1e3:.3g} ms a step"
+            for r in planned.rows()
+        ]
+        if best is None:
+            limit = human_bytes(planned.rows()[0].limit)
+            raise ValueError(
+                f"{where}: no layout's step fits {limit} per context:\n" + "\n".join(lines) + "\nCut the "
+                "step's temporaries: fit(..., accumulate=4) runs a quarter of the batch at a time, "
+                "precision='bf16' halves the activations; or give more contexts"
+            )
+        self._auto = None
+        why = (
+            "the fastest predicted that fits"
+            if best.fits
+            else "the fastest predicted (no memory limit known)"
+        )
+        self.layout = "\n".join([f"shard='auto' chose {best.shard}: {why}", *lines])
+        self.shard = best.shard
+        if best.shard != "fsdp" or not self._plan.split:
+            self._relay(best.shard, where)
+
+    def _relay(self, shard: str, where: str) -> None:
+        """The state laid out as ``shard`` says (read in its own shapes, placed again), and the
+        step built for it."""
+        devices = self.targets.devices
+        params, opt = self._params, self._opt
+        if self._layout is not None:
+            params, opt = self._layout.read(params), self._layout.read_state(self.optimizer, opt)
+        self._plan = layout_plan(shapes_of(self._plan.leaves), shard, None, len(devices), where)
+        self._layout = Placement(self._plan, devices) if self._plan.split else None
+        if self._layout is None:
+            self._params, self._opt = jax.device_put((params, opt), sharding(devices))
+        else:
+            self._params, self._opt = self._layout.as_stored(self.optimizer, params, opt, where)
+        self._programs.clear()
+        self._program = self._built(self._accumulate, self._precision)
+
+    def _makings(self) -> Makings:
+        """What the trainer's step is made of (``Makings``)."""
+        guard = self.on_nan != "apply"
+        return Makings(
+            self._loss, self.optimizer, self.has_aux, shapes_of(self._plan.leaves), self._key, guard
+        )
 
     def plan(
         self,
@@ -349,7 +449,8 @@ class PlansAhead:
           batch: one batch (arrays, or ``jax.ShapeDtypeStruct`` leaves), rows along axis 0.
           contexts: a count (the first n contexts of the map), names, or None (the trainer's);
             a grid of them is a list of counts or of tuples of names.
-          shard: as ``mg.Trainer`` takes it; None: the trainer's own. The trainer's ``mesh`` is
+          shard: as ``mg.Trainer`` takes it; None: the trainer's own (``"auto"`` not chosen
+            yet: each layout it chooses between). The trainer's ``mesh`` is
             used for every layout (its sizes must multiply to each count of contexts).
           accumulate: microbatches per batch, as ``fit`` takes it.
           precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``, as ``fit`` takes it.
@@ -358,16 +459,10 @@ class PlansAhead:
         Returns a ``StepPlan``: a ``PlanRow`` per layout; ``best()`` the fitting one predicted fastest.
         """
         where = "Trainer.plan"
-        makings = Makings(
-            self._loss,
-            self.optimizer,
-            self.has_aux,
-            shapes_of(self._plan.leaves),
-            self._key,
-            self.on_nan != "apply",
-        )
+        makings = self._makings()
         own = self.targets.names if contexts is None else contexts
         spec = self.shard if shard is None else shard
+        spec = list(AUTO) if spec == "auto" else spec  # not chosen yet: both
         return plan_grid(makings, batch, own, spec, accumulate, precision, memory, self.mesh, where)
 
 

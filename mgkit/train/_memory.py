@@ -17,7 +17,7 @@ from ._checks import check_optimizer
 from ._data import check_rows
 from ._initial import param_shapes
 from ._plan import Plan, layouts, plan, shapes_of
-from ._shard import param_like
+from ._shard import param_like, shape_of
 
 
 class MemoryRow(NamedTuple):
@@ -285,3 +285,32 @@ def batch_bytes(placed: Any) -> int:
             for shard in x.addressable_shards:
                 held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     return max(held.values(), default=0)
+
+
+class Sizes:
+    """A trainer's state as it lies on the contexts: its shapes and shardings, and its bytes."""
+
+    def state_shapes(self) -> dict:
+        """The state as it lies on the contexts, for ``mg.show_sharding(tr)``: ``{"params": ...,
+        "opt_state": ...}``, each leaf a ``jax.ShapeDtypeStruct`` of its own shape and dtype with
+        the sharding it is stored with (a padded leaf's last blocks are then shown short).
+        Nothing is read or moved."""
+        if self._layout is not None:
+            params, opt = self._layout.shapes(self.optimizer, self._params, self._opt)
+        else:
+            params, opt = jax.tree_util.tree_map(shape_of, (self._params, self._opt))
+        return {"params": params, "opt_state": opt}
+
+    def memory(self) -> MemoryTable:
+        """Bytes per context of the live parameters and optimizer state (each shard where it
+        lives, padding included), and of the last fit's first batch; with each device's limit
+        where it reports one.
+
+        >>> import mgkit as mg, optax, jax.numpy as jnp
+        >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
+        >>> loss = lambda p, b: jnp.mean(b @ p["w"])
+        >>> tr = mg.Trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((4096, 4))}, shard="fsdp")
+        >>> [(r.context, r.params, r.opt_state) for r in tr.memory().rows()]
+        [('a', 32768, 65540), ('b', 32768, 65540)]
+        """
+        return live(self.targets, self._params, self._opt, self._batch_bytes)

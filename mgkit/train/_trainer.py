@@ -24,16 +24,16 @@ from ._feed import Feed
 from ._history import History
 from ._initial import initial, made
 from ._loop import UNGUARDED, Fit, check_on_nan, not_finite, reads_late
-from ._memory import MemoryTable, batch_bytes, check_distinct, check_fits, live
+from ._memory import Sizes, batch_bytes, check_distinct, check_fits
 from ._plan import plan
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
-from ._shard import Placement, shape_of
+from ._shard import Placement
 from ._step import StepOut, place_parts, place_spmd_batch, replicas_of, speeds, step_program
 
 _WHERE = "Trainer"
 
 
-class Trainer(Checkpointing, PlansAhead):
+class Trainer(Checkpointing, PlansAhead, Sizes):
     """Trains one model on every context in the map (or ``contexts``) with an optax optimizer.
 
     >>> import mgkit as mg, optax, jax.numpy as jnp, numpy as np
@@ -94,7 +94,12 @@ class Trainer(Checkpointing, PlansAhead):
         rules mapping the annotations' logical names to mesh axes
         (``(("embed", None), ("mlp", "model"))``). None (default): ``"annotations"`` for an
         annotated model given ``mesh=``, else ``"replicate"``. Needs distinct devices of one
-        kind. A state over the devices' memory limit raises before allocating.
+        kind. A state over the devices' memory limit raises before allocating. ``"auto"``: at
+        the first step the step is planned (``plan``) replicated and fsdp with that batch, and
+        the layout that fits ``memory`` with the least predicted step time is kept (the state is
+        placed fsdp until then); ``tr.layout`` says what was chosen and why.
+      memory: the bytes per context ``shard="auto"`` plans for (``"70GiB"``); None: the devices'
+        own limit (``mg.simulate(n, memory=...)``'s on simulated devices).
       mesh: the contexts arranged on named axes, ``{"data": 2, "model": 4}`` (sizes multiply to
         the contexts), for tensor parallelism: rules give a leaf's split per array axis
         (``{"w1": (None, "model")}``; an int axis splits over every mesh axis), the batch's rows
@@ -125,6 +130,7 @@ class Trainer(Checkpointing, PlansAhead):
         prefetch: int = 2,
         shard: Any = None,
         mesh: Any = None,
+        memory: Any = None,
     ):
         check_loss_fn(loss_fn, _WHERE)
         check_optimizer(optimizer, _WHERE)
@@ -149,7 +155,7 @@ class Trainer(Checkpointing, PlansAhead):
         self._programs: dict[tuple[int, str], Any] = {}  # (accumulate, precision) -> compiled step
         self._accumulate, self._precision = 1, "fp32"  # the last fit's
         self._scale, self._warned = None, False  # the LossScale of fp16 fits; warned: on CPU
-        self._plan = plan(shapes, shard, mesh, len(devices), _WHERE)
+        self._plan = plan(shapes, self._auto_start(shard, memory, mesh, _WHERE), mesh, len(devices), _WHERE)
         check_distinct(self._plan, self.targets, _WHERE)
         check_fits(self._plan, optimizer, self.targets, _WHERE)
         split = self.spmd and (self._plan.split or mesh is not None)
@@ -209,17 +215,6 @@ class Trainer(Checkpointing, PlansAhead):
         if self._lost is not None and self._given and self._params is self._given[0]:
             raise RuntimeError(f"{where}: {self._lost}")
 
-    def state_shapes(self) -> dict:
-        """The state as it lies on the contexts, for ``mg.show_sharding(tr)``: ``{"params": ...,
-        "opt_state": ...}``, each leaf a ``jax.ShapeDtypeStruct`` of its own shape and dtype with
-        the sharding it is stored with (a padded leaf's last blocks are then shown short).
-        Nothing is read or moved."""
-        if self._layout is not None:
-            params, opt = self._layout.shapes(self.optimizer, self._params, self._opt)
-        else:
-            params, opt = jax.tree_util.tree_map(shape_of, (self._params, self._opt))
-        return {"params": params, "opt_state": opt}
-
     @property
     def step(self) -> int:
         """Steps completed, over every fit."""
@@ -228,20 +223,6 @@ class Trainer(Checkpointing, PlansAhead):
     @property
     def contexts(self) -> tuple[str, ...]:
         return self.targets.names
-
-    def memory(self) -> MemoryTable:
-        """Bytes per context of the live parameters and optimizer state (each shard where it
-        lives, padding included), and of the last fit's first batch; with each device's limit
-        where it reports one.
-
-        >>> import mgkit as mg, optax, jax.numpy as jnp
-        >>> _ = mg.use_contexts("a->cpu0;b->cpu1", verbose=False)
-        >>> loss = lambda p, b: jnp.mean(b @ p["w"])
-        >>> tr = mg.Trainer(loss, optax.adam(1e-3), {"w": jnp.zeros((4096, 4))}, shard="fsdp")
-        >>> [(r.context, r.params, r.opt_state) for r in tr.memory().rows()]
-        [('a', 32768, 65540), ('b', 32768, 65540)]
-        """
-        return live(self.targets, self._params, self._opt, self._batch_bytes)
 
     def _own_arrays(self) -> dict[int, str]:
         """Its parameters' and optimizer state's arrays by ``id``, named (for an OOM report)."""
@@ -512,6 +493,7 @@ class Trainer(Checkpointing, PlansAhead):
             if self.balance == "measured" and not self.spmd and self._weights is None:
                 self._weights = speeds(self._program, self._replicas, placed)
             if first:
+                self._choose(placed)  # shard="auto": the layout, from this batch's step
                 self._check_loss(placed)
                 self._compile(placed)
                 fit.read_at, first = time.perf_counter(), False
