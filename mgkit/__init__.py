@@ -63,10 +63,12 @@ from .train import Member as Member
 from .train import MemberError as MemberError
 from .train import Pipeline as Pipeline
 from .train import PrecisionWarning as PrecisionWarning
+from .train import ScalingStudy as ScalingStudy
 from .train import StepPlan as StepPlan
 from .train import Trainer as Trainer
 from .train import fits as fits
 from .train import plan as plan
+from .train import scaling as scaling
 
 __all__ = [
     "AnnotationWarning",
@@ -97,6 +99,7 @@ __all__ = [
     "Prefetch",
     "Profile",
     "ProfileView",
+    "ScalingStudy",
     "Schedule",
     "ShardingView",
     "StallWarning",
@@ -128,6 +131,7 @@ __all__ = [
     "profile",
     "put",
     "run_each",
+    "scaling",
     "show_sharding",
     "simulate",
     "split",

@@ -1,6 +1,9 @@
-"""A step planned ahead of time (``Trainer.plan``, ``mg.plan``): compiled from shapes for each
-layout of a grid, nothing allocated, its memory what the running step's program needs; and the
-roofline model that predicts its time (``mgkit._roofline``)."""
+"""Why it is not N times faster: a step planned ahead of time (``Trainer.plan``, ``mg.plan``),
+compiled from shapes for each layout of a grid, nothing allocated, its memory what the running
+step's program needs; the roofline model that predicts its time (``mgkit._roofline``);
+``shard="auto"``; and the scaling study (``mg.scaling``) with its verdict."""
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +233,71 @@ def test_auto_says_what_did_not_fit_and_how_to_cut_the_step():
             mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), shard="auto")
     finally:
         mg.use_contexts(";".join(f"dev{i}->cpu{i}" for i in range(8)), verbose=False)
+
+
+def _make(n):
+    return mg.Trainer(_mlp_loss, optax.adam(1e-3), _mlp_params(), contexts=n)
+
+
+def test_a_scaling_study_measures_splits_predicts_and_names_the_bottleneck(tmp_path):
+    study = mg.scaling(_make, _mlp_batch(), contexts=[4, 1, 2], steps=3)
+    rows = study.rows()
+    assert [r.contexts for r in rows] == [1, 2, 4] and rows[0].efficiency == pytest.approx(1.0)
+    for r in rows:
+        assert r.samples_per_second == pytest.approx(64 / r.seconds)
+        assert r.efficiency == pytest.approx(r.samples_per_second / (r.contexts * rows[0].samples_per_second))
+        assert r.predicted > 0 and set(r.split) == {"compute", "communication", "transfer", "idle"}
+        assert sum(r.split.values()) == pytest.approx(r.seconds, rel=1e-6)  # shares of the measured step
+    assert rows[0].split["communication"] == 0 < rows[2].split["communication"]  # one context: no collectives
+    assert "CPU devices sharing this host's" in study.verdict and str(study).startswith("mgkit scaling: ")
+    png = study.save_png(tmp_path / "scaling.png")
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_verdict_names_each_bottleneck_with_its_numbers():
+    from mgkit.train._scaling import ScalingRow, verdict
+
+    def row(n, rate, split, intensity=10.0):
+        seconds = 64 / rate
+        return ScalingRow(n, rate, seconds, rate / (n * 1000.0), seconds, split, intensity, 100.0)
+
+    one = row(1, 1000.0, {"compute": 0.064, "communication": 0.0, "transfer": 0.0, "idle": 0.0})
+    good = row(4, 3600.0, {"compute": 0.016, "communication": 0.001, "transfer": 0.0, "idle": 0.0})
+    assert verdict([one, good]).startswith(
+        "scales well: 90% efficiency on 4 contexts (3,600 samples/s, ideal 4,000)"
+    )
+    comm = row(4, 2000.0, {"compute": 0.01, "communication": 0.02, "transfer": 0.001, "idle": 0.001})
+    said = verdict([one, comm])
+    assert said.startswith("communication-bound: 50% efficiency on 4 contexts, 62% of a step in collectives")
+    assert "arithmetic intensity 10 flops/byte, below this machine's 100" in said and "accumulate=4" in said
+    idle = row(4, 2000.0, {"compute": 0.01, "communication": 0.001, "transfer": 0.001, "idle": 0.02})
+    assert verdict([one, idle]).startswith(
+        "dispatch/input-bound: 50% efficiency on 4 contexts; the contexts wait 62%"
+    )
+    moving = row(4, 2000.0, {"compute": 0.01, "communication": 0.001, "transfer": 0.02, "idle": 0.001})
+    assert verdict([one, moving]).startswith(
+        "transfer-bound: 50% efficiency on 4 contexts, 62% of a step copying"
+    )
+    assert verdict([one], "simulated").endswith("to compare (simulated)")
+
+
+def test_a_scaling_study_refuses_bad_input_by_name():
+    batch = _mlp_batch()
+    cases = [
+        (dict(make_trainer="not a function"), TypeError, r"make_trainer must be a function n -> mg\.Trainer"),
+        (
+            dict(make_trainer=lambda n: 3),
+            TypeError,
+            r"make_trainer\(1\) returned int 3; it must return an mg\.Trainer",
+        ),
+        (dict(make_trainer=lambda n: _make(2)), ValueError, r"make_trainer\(1\) made a trainer on 2 context"),
+        (dict(make_trainer=_make, contexts=[]), ValueError, r"contexts=\[\] is an empty grid"),
+        (dict(make_trainer=_make, contexts=[1, 16]), ValueError, r"asks for 16 contexts and the map has 8"),
+        (dict(make_trainer=_make, contexts=4), TypeError, r"contexts must be a list of counts"),
+        (dict(make_trainer=_make, contexts=[0]), ValueError, r"contexts"),
+        (dict(make_trainer=_make, steps=0), ValueError, r"steps"),
+    ]
+    for kwargs, kind, words in cases:
+        make = kwargs.pop("make_trainer")
+        with pytest.raises(kind, match=words):
+            mg.scaling(make, batch, **{"contexts": [1], **kwargs})

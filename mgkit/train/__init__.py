@@ -10,7 +10,8 @@ parameters and optimizer state are split over the contexts, planned from shapes 
 laid on the devices (``_shard``), or as a Flax model's own annotations say (``_annotations``);
 ``mg.fits`` plans the bytes per context from shapes before anything is allocated (``_memory``);
 ``Trainer.plan`` and ``mg.plan`` compile the step ahead of time for a grid of layouts and read
-its memory, communication and flops, with a predicted step time (``_ahead``).
+its memory, communication and flops, with a predicted step time (``_ahead``); ``mg.scaling``
+measures the step on 1, 2, 4, ... contexts and names the bottleneck (``_scaling``).
 
 ``mg.Ensemble({ctx: mg.Member(...)})`` trains different models side by side, one per context
 (or several on one); ``mg.Pipeline([(ctx, fn, params), ...], loss)`` splits one model
@@ -43,6 +44,8 @@ from ._memory import fits as fits
 from ._pipeline import FewerMicrobatches as FewerMicrobatches
 from ._pipeline import Pipeline as Pipeline
 from ._precision import PrecisionWarning as PrecisionWarning
+from ._scaling import ScalingStudy as ScalingStudy
+from ._scaling import scaling as scaling
 from ._trainer import Trainer as Trainer
 
 __all__ = [
@@ -59,9 +62,11 @@ __all__ = [
     "Pipeline",
     "PlanRow",
     "PrecisionWarning",
+    "ScalingStudy",
     "StepPlan",
     "StepsSkipped",
     "Trainer",
     "fits",
     "plan",
+    "scaling",
 ]

@@ -11,6 +11,7 @@ One module per view, over a shared base:
 ``_launches``       ``LaunchView``: the ranks of the running or last ``mg.launch``, or a cluster's engines
 ``_schedule``       ``Schedule``: the timeline of one pipeline or ensemble step
 ``_profile``        ``ProfileView``: a profile's timeline per context (``mg.profile()``)
+``_scaling``        the picture of a scaling study (``mg.scaling``): measured, ideal, predicted
 ``_sharding``       ``ShardingView`` (``show_sharding``): which block of each leaf lives where
 ``_dashboard``      ``Dashboard``: the header, device map, transfers, throughput and launches;
                     ``cluster=c``: every rank's contexts and the engines too
@@ -38,6 +39,7 @@ from ._memory import MemoryPoint as MemoryPoint
 from ._memory import MemoryView as MemoryView
 from ._profile import ProfileView as ProfileView
 from ._profile import show_profile as show_profile
+from ._scaling import scaling_png as scaling_png
 from ._schedule import Block as Block
 from ._schedule import Schedule as Schedule
 from ._sharding import ShardingView as ShardingView
@@ -61,6 +63,7 @@ __all__ = [
     "ShardingView",
     "ThroughputView",
     "TransferView",
+    "scaling_png",
     "show_profile",
     "show_sharding",
 ]
