@@ -203,9 +203,10 @@ def refuse_too_big(compiled: Any, devices: Sequence[jax.Device]) -> None:
     )
 
 
-def program_needs(compiled: Any) -> str | None:
+def program_needs(compiled: Any, limit: int | None = None) -> str | None:
     """What a compiled program needs on each device, from its ``memory_analysis`` (None where
-    the backend does not say)."""
+    the backend does not say); with the device's ``limit``, which part did not fit: the state
+    and batch it is given alone, or the temporaries it makes while it runs."""
     try:
         m = compiled.memory_analysis()
         args, out = m.argument_size_in_bytes, m.output_size_in_bytes
@@ -213,9 +214,22 @@ def program_needs(compiled: Any) -> str | None:
     except Exception:  # noqa: BLE001 - no analysis on this backend
         return None
     total = args + out - alias + temp
-    return (
+    said = (
         f"{human_bytes(total)} per device from the compiled program (arguments {human_bytes(args)}, "
         f"outputs {human_bytes(out - alias)} beyond the donated arguments, temporaries {human_bytes(temp)})"
+    )
+    if limit is None or total <= limit:
+        return said
+    if args > limit:
+        return (
+            f"{said}; its arguments alone (the state and the batch) are over the {human_bytes(limit)} "
+            "limit: split the state (shard='fsdp') or use more contexts"
+        )
+    return (
+        f"{said}; its arguments (the state and the batch) fit the {human_bytes(limit)} limit, and the "
+        "step's temporaries (activations, gathered parameters, gradients) take it over: "
+        "fit(..., accumulate=4) or precision='bf16' cut them (tr.plan(batch, accumulate=[1, 4]) shows "
+        "by how much)"
     )
 
 

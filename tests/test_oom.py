@@ -38,7 +38,9 @@ def test_a_step_that_xla_cannot_allocate_is_reported_per_context(monkeypatch):
     assert text.startswith("Trainer.fit: a device ran out of memory (RESOURCE_EXHAUSTED: Out of memory")
     assert re.search(
         r"the failing program needed: 2.0 TiB per device from the compiled program \(arguments [0-9.]+ KiB, "
-        r"outputs \d+ B beyond the donated arguments, temporaries 2.0 TiB\); "
+        r"outputs \d+ B beyond the donated arguments, temporaries 2.0 TiB\); its arguments \(the state and "
+        r"the batch\) fit the 64.0 MiB limit, and the step's temporaries \(activations, gathered parameters, "
+        r"gradients\) take it over: fit\(\.\.\., accumulate=4\) or precision='bf16' cut them .*; "
         r"the allocation that failed: 2.0 TiB",
         text,
     )
@@ -223,3 +225,28 @@ def test_a_parallel_call_too_big_for_the_devices_is_reported_when_called(rows):
     text = str(caught.value)
     assert text.startswith("mg.parallel: a device ran out of memory (RESOURCE_EXHAUSTED: Out of memory")
     assert "fixes that apply: fewer rows per call" in text
+
+
+def test_the_report_says_whether_the_state_or_the_steps_temporaries_did_not_fit():
+    from types import SimpleNamespace
+
+    from mgkit._oom import program_needs
+
+    def compiled(args, temp):
+        stats = SimpleNamespace(
+            argument_size_in_bytes=args,
+            output_size_in_bytes=args,
+            alias_size_in_bytes=args,
+            temp_size_in_bytes=temp,
+        )
+        return SimpleNamespace(memory_analysis=lambda: stats)
+
+    mib = 2**20
+    assert "limit" not in program_needs(compiled(10 * mib, 10 * mib), limit=64 * mib)  # it fits: no verdict
+    assert "limit" not in program_needs(compiled(10 * mib, 10 * mib))  # no limit known
+    state = program_needs(compiled(80 * mib, 10 * mib), limit=64 * mib)
+    assert (
+        "its arguments alone (the state and the batch) are over the 64.0 MiB limit: split the state" in state
+    )
+    temps = program_needs(compiled(10 * mib, 60 * mib), limit=64 * mib)
+    assert "fit the 64.0 MiB limit, and the step's temporaries" in temps and "accumulate=4" in temps

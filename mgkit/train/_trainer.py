@@ -24,7 +24,7 @@ from ._feed import Feed
 from ._history import History
 from ._initial import initial, made
 from ._loop import UNGUARDED, Fit, check_on_nan, not_finite, reads_late
-from ._memory import Sizes, batch_bytes, check_distinct, check_fits
+from ._memory import Sizes, batch_bytes, check_distinct, check_fits, device_limit
 from ._plan import plan
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
 from ._shard import Placement
@@ -234,7 +234,8 @@ class Trainer(Checkpointing, PlansAhead, Sizes):
     def _needs(self) -> str | None:
         """What the last step's compiled program needs per device (for an out-of-memory report)."""
         last = self._collectives.last if self._collectives is not None else None
-        return None if last is None or last.compiled is None else program_needs(last.compiled)
+        limit = device_limit(self.targets.devices[0])
+        return None if last is None or last.compiled is None else program_needs(last.compiled, limit)
 
     @property
     def step_fn(self) -> Callable:
