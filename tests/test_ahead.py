@@ -301,3 +301,19 @@ def test_a_scaling_study_refuses_bad_input_by_name():
         make = kwargs.pop("make_trainer")
         with pytest.raises(kind, match=words):
             mg.scaling(make, batch, **{"contexts": [1], **kwargs})
+
+
+def test_mg_fits_counts_the_steps_temporaries_when_given_the_loss():
+    shapes = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((64, 1024), jnp.float32)}
+    loss = lambda p, b: jnp.mean(jnp.tanh(b["x"] @ p["w"]))  # noqa: E731
+    state = mg.fits(shapes, optax.adam(1e-3), shard="fsdp", contexts=8, limit="6MiB", batch=batch)
+    step = mg.fits(
+        shapes, optax.adam(1e-3), shard="fsdp", contexts=8, limit="6MiB", batch=batch, loss_fn=loss
+    )
+    assert state.fits is True and "temporaries" not in repr(state)  # the state alone: 1.5 MiB
+    row = step.rows()[0]
+    assert row.temporaries > 4 * 2**20 and row.total == state.rows()[0].total + row.temporaries
+    assert step.fits is False and "temporaries" in repr(step) and "the step's temporaries" in step.over()
+    with pytest.raises(ValueError, match=r"loss_fn= plans the step on the contexts' devices with one batch"):
+        mg.fits(shapes, optax.adam(1e-3), contexts=8, loss_fn=loss)

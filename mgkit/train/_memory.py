@@ -28,10 +28,11 @@ class MemoryRow(NamedTuple):
     opt_state: int  # bytes of optimizer state on it
     batch: int  # bytes of one batch on it
     limit: int | None  # its memory limit in bytes (None: unknown)
+    temporaries: int | None = None  # what the compiled step makes while it runs (None: not planned)
 
     @property
     def total(self) -> int:
-        return self.params + self.opt_state + self.batch
+        return self.params + self.opt_state + self.batch + (self.temporaries or 0)
 
     @property
     def fits(self) -> bool | None:
@@ -58,6 +59,8 @@ class MemoryTable(Table):
     def __init__(self, rows: list[MemoryRow], title: str, largest: list[LeafBytes] = ()):
         super().__init__(rows, title)
         self.largest = list(largest)
+        if any(r.temporaries is not None for r in rows):  # the step was planned (``fits(loss_fn=...)``)
+            self.headers = (*self.headers[:4], "temporaries", *self.headers[4:])
 
     @property
     def fits(self) -> bool | None:
@@ -71,6 +74,7 @@ class MemoryTable(Table):
                 human_bytes(r.params),
                 human_bytes(r.opt_state),
                 human_bytes(r.batch),
+                *([] if len(self.headers) == 7 else [human_bytes(r.temporaries or 0)]),
                 human_bytes(r.total),
                 "unknown" if r.limit is None else human_bytes(r.limit),
                 {None: "?", True: "yes", False: "NO"}[r.fits],
@@ -88,7 +92,13 @@ class MemoryTable(Table):
         first = bad[0]
         return (
             f"{first.context} needs {human_bytes(first.total)} (parameters {human_bytes(first.params)}, "
-            f"optimizer state {human_bytes(first.opt_state)}) but has {human_bytes(first.limit)}"
+            f"optimizer state {human_bytes(first.opt_state)}"
+            + (
+                ""
+                if first.temporaries is None
+                else f", the step's temporaries {human_bytes(first.temporaries)}"
+            )
+            + f") but has {human_bytes(first.limit)}"
             + (f" ({len(bad) - 1} more contexts too)" if len(bad) > 1 else "")
             + f"; the largest leaves per context: {leaves}"
         )
@@ -176,9 +186,12 @@ def fits(
     limit: Any = None,
     mesh: Any = None,
     batch: Any = None,
+    loss_fn: Any = None,
+    has_aux: bool = False,
 ) -> MemoryTable:
     """The bytes per context of a model's training state, worked out from shapes before anything
-    is allocated, and whether they fit each context's memory.
+    is allocated, and whether they fit each context's memory; given ``loss_fn`` (and ``batch``),
+    the step's temporaries too, from its program compiled ahead of time (``mg.plan``).
 
     >>> import mgkit as mg, optax, jax, jax.numpy as jnp
     >>> shapes = {"w": jax.ShapeDtypeStruct((8192, 8192), jnp.float32)}
@@ -196,6 +209,9 @@ def fits(
       limit: bytes per context (``"80GiB"``, ``"16 GB"``, a number); None: each device's own
         limit, where it reports one.
       batch: one batch (arrays or shapes), to count its share on each context too.
+      loss_fn: ``loss_fn(params, batch)`` (``has_aux``: returns ``(loss, aux)``): the step is
+        compiled from shapes and its temporaries (activations, gathered parameters, gradients)
+        are counted in each context's total. Needs ``batch`` and contexts that exist.
 
     Returns:
       a ``MemoryTable``: a row per context, ``fits`` and the ``largest`` leaves.
@@ -220,7 +236,22 @@ def fits(
     if targets is not None:
         check_distinct(p, targets, where)
     limits = [cap if cap is not None else device_limit(d) for d in devices]
-    return planned(p, optimizer, names, limits, batch)
+    table = planned(p, optimizer, names, limits, batch)
+    if loss_fn is None:
+        return table
+    if batch is None or targets is None:
+        raise ValueError(
+            f"{where}: loss_fn= plans the step on the contexts' devices with one batch: give batch= and "
+            f"at most the map's {len(resolve(None, where).names)} contexts (mg.simulate(n) rehearses more)"
+        )
+    from ._ahead import Makings, plan_grid  # the step's plan (it reads this module's limits)
+
+    makings = Makings(loss_fn, optimizer, bool(has_aux), shapes, None, True)
+    step = plan_grid(makings, batch, tuple(names), shard, 1, "fp32", cap, mesh, where).rows()[0]
+    rows = [r._replace(temporaries=step.temporaries) for r in table.rows()]
+    return MemoryTable(
+        rows, _title(p, rows) + "; the step's temporaries from its compiled program", table.largest
+    )
 
 
 def check_distinct(plan_: Plan, targets: Targets, where: str) -> None:

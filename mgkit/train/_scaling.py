@@ -31,7 +31,8 @@ class ScalingRow(NamedTuple):
     samples_per_second: float
     seconds: float  # measured per step
     efficiency: float  # samples/s over (contexts x one context's samples/s)
-    predicted: float  # seconds per step, the roofline model's (``Trainer.plan``)
+    predicted: float | None  # seconds per step, the roofline model's (``Trainer.plan``); None:
+    # contexts that share a device or mix kinds (the gather-update-copy loop: no one program to plan)
     split: dict  # seconds per step in compute, communication, transfer, idle (mean over contexts)
     intensity: float | None  # flops per context over bytes it sends per step (planned)
     balance: float  # this machine's peak flop/s over its link bytes/s (flops per byte)
@@ -58,7 +59,7 @@ class ScalingStudy(Table):
                 f"{r.samples_per_second:,.0f}",
                 f"{r.efficiency:.0%}",
                 ms(r.seconds),
-                f"{ms(r.predicted)} ({r.predicted / r.seconds:.2g}x)",
+                "-" if r.predicted is None else f"{ms(r.predicted)} ({r.predicted / r.seconds:.2g}x)",
                 *(ms(r.split[c]) if r.split else "-" for c in (*CATEGORIES, "idle")),
             )
             for r in self._rows
@@ -152,8 +153,10 @@ def _measure(make_trainer: Callable, n: int, batch: Any, steps: int, profile: bo
     tr.fit(same, steps=steps, progress=False)
     seconds = (time.perf_counter() - t0) / steps
     rows = _rows(batch)
-    plan = tr.plan(batch)
-    planned, figures = plan.rows()[0], plan.figures
+    planned, balance = None, float("nan")
+    if tr.spmd:  # one program to plan (the gather-update-copy loop has none)
+        plan = tr.plan(batch)
+        planned, balance = plan.rows()[0], plan.figures.flops / plan.figures.link
     split: dict = {}
     if profile:
         profiled = min(steps, 5)
@@ -163,8 +166,10 @@ def _measure(make_trainer: Callable, n: int, batch: Any, steps: int, profile: bo
             shares = prof.summary().rows()
         for c_i, name in enumerate((*CATEGORIES, "idle")):  # each share of the measured step
             split[name] = seconds * sum(r[1 + c_i] for r in shares) / max(1, len(shares))
-    intensity = None if planned.flops is None or not planned.sent else planned.flops / planned.sent
-    return seconds, rows / seconds, planned.seconds, split, intensity, figures.flops / figures.link
+    intensity = (
+        None if planned is None or planned.flops is None or not planned.sent else planned.flops / planned.sent
+    )
+    return seconds, rows / seconds, None if planned is None else planned.seconds, split, intensity, balance
 
 
 def _rows(batch: Any) -> int:

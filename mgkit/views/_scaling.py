@@ -21,10 +21,9 @@ def scaling_png(study: Any, path: str, dpi: int = 100) -> str:
     one = rows[0].samples_per_second / rows[0].contexts
     rate.plot(counts, [one * n for n in counts], "--", color="#999999", label="ideal")
     rate.plot(counts, [r.samples_per_second for r in rows], "o-", color="#1f77b4", label="measured")
-    predicted = [
-        r.samples_per_second * r.seconds / r.predicted for r in rows
-    ]  # the batch's rows / predicted s
-    rate.plot(counts, predicted, ":", color="#ff7f0e", label="predicted")
+    planned = [(r.contexts, r.samples_per_second * r.seconds / r.predicted) for r in rows if r.predicted]
+    if planned:  # the batch's rows over the predicted seconds, where a step was planned
+        rate.plot(*zip(*planned, strict=True), ":", color="#ff7f0e", label="predicted")
     rate.set_xlabel("contexts")
     rate.set_ylabel("samples/s")
     rate.set_xticks(counts)
