@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import optax
 
-from .. import _roofline
+from .. import _devices, _roofline
 from .._numbers import nbytes, whole
 from .._oom import program_bytes
 from .._spmd import AXIS, Cache, Communication, read_compiled, resolve, sharding
@@ -34,9 +34,8 @@ from .._table import Table, human_bytes
 from ._checks import check_loss_fn, check_optimizer
 from ._data import check_batch
 from ._initial import param_shapes
-from ._memory import check_distinct, device_limit
+from ._plan import check_distinct, shapes_of
 from ._plan import plan as layout_plan
-from ._plan import shapes_of
 from ._precision import check_precision, initial_scale
 from ._shard import Placement
 from ._step import spmd_step
@@ -203,7 +202,7 @@ def plan_grid(
         figures = own.shared(len(targets.devices)) if targets.devices[0].platform == "cpu" else own
         reading, seconds = _read(makings, shapes, treedef, targets, spec, mesh, acc, prec, where)
         flops, accessed, sent, arguments, temporaries, peak, hops = reading
-        limit = cap if cap is not None else device_limit(targets.devices[0])
+        limit = cap if cap is not None else _devices.memory_limit(targets.devices[0])
         predicted = _roofline.predict(flops, accessed, sent, figures, hops)
         planned.append(
             PlanRow(

@@ -13,10 +13,11 @@ from .._numbers import nbytes
 from .._oom import live_facts, state_facts
 from .._spmd import Targets, resolve
 from .._table import Table, human_bytes
+from ._ahead import Makings, plan_grid
 from ._checks import check_optimizer
 from ._data import check_rows
 from ._initial import param_shapes
-from ._plan import Plan, layouts, plan, shapes_of
+from ._plan import Plan, check_distinct, layouts, plan, shapes_of
 from ._shard import param_like, shape_of
 
 
@@ -244,31 +245,11 @@ def fits(
             f"{where}: loss_fn= plans the step on the contexts' devices with one batch: give batch= and "
             f"at most the map's {len(resolve(None, where).names)} contexts (mg.simulate(n) rehearses more)"
         )
-    from ._ahead import Makings, plan_grid  # the step's plan (it reads this module's limits)
-
     makings = Makings(loss_fn, optimizer, bool(has_aux), shapes, None, True)
     step = plan_grid(makings, batch, tuple(names), shard, 1, "fp32", cap, mesh, where).rows()[0]
     rows = [r._replace(temporaries=step.temporaries) for r in table.rows()]
     return MemoryTable(
         rows, _title(p, rows) + "; the step's temporaries from its compiled program", table.largest
-    )
-
-
-def check_distinct(plan_: Plan, targets: Targets, where: str) -> None:
-    """A split plan (or a mesh) needs distinct devices of one kind: else a clear error."""
-    if targets.spmd or not plan_.asked:
-        return
-    devices = targets.devices
-    shared = [c.name for c in targets.contexts if devices.count(c.device) > 1]
-    why = (
-        f"contexts {', '.join(shared[:4])} share a device"
-        if shared
-        else f"the contexts mix kinds ({', '.join(sorted({d.platform for d in devices}))})"
-    )
-    raise ValueError(
-        f"{where}: shard={plan_.shard!r} splits parameters over the contexts, but {why}; sharding needs "
-        "distinct devices of one kind: map each context to its own device (mg.use_contexts"
-        "('a->gpu0;b->gpu1')), pick such contexts with contexts=, or use shard='replicate'"
     )
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .._spmd import AXIS
+from .._spmd import AXIS, Targets
 from ._annotations import Leaf, annotations, check_rules, is_rules, mesh_names, warn_misfits
 
 FSDP_MIN_SIZE = 1024
@@ -350,3 +350,21 @@ def _named_spec(name: str, shape: tuple, choice: tuple, axes: dict, what: str, s
 def shapes_of(leaves: Any) -> Any:
     """A tree of layouts as the parameters' (unpadded) shapes and dtypes."""
     return jax.tree_util.tree_map(lambda lay: jax.ShapeDtypeStruct(lay.shape, lay.dtype), leaves)
+
+
+def check_distinct(plan_: Plan, targets: Targets, where: str) -> None:
+    """A split plan (or a mesh) needs distinct devices of one kind: else a clear error."""
+    if targets.spmd or not plan_.asked:
+        return
+    devices = targets.devices
+    shared = [c.name for c in targets.contexts if devices.count(c.device) > 1]
+    why = (
+        f"contexts {', '.join(shared[:4])} share a device"
+        if shared
+        else f"the contexts mix kinds ({', '.join(sorted({d.platform for d in devices}))})"
+    )
+    raise ValueError(
+        f"{where}: shard={plan_.shard!r} splits parameters over the contexts, but {why}; sharding needs "
+        "distinct devices of one kind: map each context to its own device (mg.use_contexts"
+        "('a->gpu0;b->gpu1')), pick such contexts with contexts=, or use shard='replicate'"
+    )

@@ -24,8 +24,8 @@ from ._feed import Feed
 from ._history import History
 from ._initial import initial, made
 from ._loop import UNGUARDED, Fit, check_on_nan, not_finite, reads_late
-from ._memory import Sizes, batch_bytes, check_distinct, check_fits, device_limit
-from ._plan import plan
+from ._memory import Sizes, batch_bytes, check_fits, device_limit
+from ._plan import check_distinct, plan
 from ._precision import check_precision, initial_scale, scale_entry, scale_from, warn_if_cpu
 from ._shard import Placement
 from ._step import StepOut, place_parts, place_spmd_batch, replicas_of, speeds, step_program
