@@ -50,6 +50,7 @@ from typing import NamedTuple
 import bench_launch
 import bench_many_models
 import bench_parallel
+import bench_plan
 import bench_train
 import bench_transfer
 import gpu_logreg
@@ -555,6 +556,53 @@ def dashboard_memory(setup: Setup, rows: list[Row]) -> None:
     rows.append(figure("one read of the device map", duration(per_read), "20 reads"))
 
 
+# -- a step planned ahead of time, and a scaling study ---------------------------------------
+
+
+def planning(setup: Setup, rows: list[Row]) -> None:
+    """tr.plan's peak and predicted step against the step run on {gpu}; then mg.scaling of the
+    same step on {gpu} alone and on {gpu} + {host}."""
+    s = setup.sizes
+    mg.use_contexts(f"d0->{setup.gpu};d1->{setup.host}", verbose=False)
+    width = min(s.precision_width, 2048)
+    init, loss = bench_plan.mlp(width)
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(256, width)).astype(np.float32),
+        "y": rng.normal(size=(256, 1)).astype(np.float32),
+    }
+    tr = mg.Trainer(loss, optax.adam(1e-3), init(), contexts=1)
+    planned = tr.plan(batch)
+    row = planned.rows()[0]
+    step = bench_plan.measured(tr, batch, s.train_steps)
+    used = bench_plan.running_peak(tr)
+    stats = mg.device_of("d0").memory_stats() if not setup.dry else None
+    allocator = (stats or {}).get("peak_bytes_in_use")
+    note = "memory_analysis of the program the fit ran" + (
+        "" if allocator is None else f"; the allocator's peak after the fit {allocator:,} B"
+    )
+    rows.append(in_bytes(f"planned peak, MLP {width}-{width}-{width}-1", row.peak, used or row.peak, note))
+    rows.append(
+        vs(
+            "predicted step vs measured",
+            row.seconds,
+            step,
+            f"{planned.figures.source}; bound: {row.predicted.bound}",
+        )
+    )
+    study = mg.scaling(
+        lambda n: mg.Trainer(loss, optax.adam(1e-3), init(), contexts=n),
+        batch,
+        contexts=[1, 2],
+        steps=s.train_steps,
+    )
+    one, two = study.rows()
+    note = f"1 context {one.samples_per_second:,.0f} samples/s; {study.verdict}"
+    rows.append(
+        figure(f"mg.scaling: {setup.gpu} alone -> {setup.gpu} + {setup.host}", f"{two.efficiency:.0%}", note)
+    )
+
+
 # -- the suite ---------------------------------------------------------------------------------
 
 SHARED = "d0->{gpu};d1->{gpu}"
@@ -573,6 +621,7 @@ PARTS = [
     Part("mg.launch of one rank on {gpu}", launch, 30),
     Part("dashboard memory on {gpu}", dashboard_memory, 15),
     Part("mg.Cluster of one engine on {gpu}", cluster, 45),
+    Part("step plan and scaling on {gpu} (+ {host})", planning, 45),
 ]
 
 

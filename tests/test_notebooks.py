@@ -50,6 +50,15 @@ EXPECTED_OUTPUT = {
         "died (",
         "] resumed to step 40,",
     ],
+    "10_why_not_faster.ipynb": [
+        "step plan: 4 layout(s) compiled ahead of time from shapes, nothing allocated",
+        "fastest that fits: 8 contexts, fsdp, accumulate",
+        "shard='auto' chose fsdp: the fastest predicted that fits",
+        "replicate: peak 5.0 MiB per context",
+        "over the budget",
+        "mgkit scaling:",
+        "CPU devices sharing this host's",
+    ],
     "01_contexts_and_transfers.ipynb": ["Mapped name dev0 to device cpu0"],
     "02_split_concat.ipynb": [
         "Mapped name d7 to device cpu7",
