@@ -13,10 +13,11 @@ device's figures come from ``KNOWN`` (datasheet figures of common accelerators, 
 device; the link is NVLink's per direction, or PCIe's where the device's kind says PCIe) and,
 on a CPU or a device not in the table, from a calibration timed once per session: a float32
 matmul (peak), a copy (memory bandwidth), a transfer between two devices (link) and a tiny
-program (dispatch); the latency of a hop is a small transfer's time (a table device: 10 us).
-A ring collective over p contexts takes p - 1 hops (an all-reduce 2 (p - 1): a reduce-scatter
-then an all-gather). Simulated CPU devices share the host's cores: n of them running one step
-each get 1/n of the calibrated host each (``Figures.shared``).
+program (dispatch), each on one device; where n simulated CPU devices run a step at once they
+share the host's cores, so their peak and bandwidth are timed again with all n working at once
+(once per count, ``together``). The latency of a hop is a small transfer's time (a table
+device: 10 us). A ring collective over p contexts takes p - 1 hops (an all-reduce 2 (p - 1):
+a reduce-scatter then an all-gather).
 """
 
 from __future__ import annotations
@@ -61,12 +62,10 @@ class Figures(NamedTuple):
     source: str
     latency: float = 10e-6
 
-    def shared(self, n: int) -> Figures:
-        """The figures of one of ``n`` simulated CPU devices that run at once on the host's cores."""
-        n = max(1, n)
-        return self._replace(
-            flops=self.flops / n, bandwidth=self.bandwidth / n, source=f"{self.source}, 1/{n} each"
-        )
+    def shared(self, flops: float, bandwidth: float, n: int) -> Figures:
+        """These figures with the peak and memory bandwidth each of ``n`` devices gets while all
+        ``n`` run at once (simulated CPU devices share the host's cores)."""
+        return self._replace(flops=flops, bandwidth=bandwidth, source=f"{self.source}, {n} at once")
 
 
 class Prediction(NamedTuple):
@@ -131,6 +130,33 @@ def figures(device: jax.Device, reduced: bool = False) -> Figures:
     if device.platform not in _calibrated:
         _calibrated[device.platform] = calibrate(device)
     return _calibrated[device.platform]
+
+
+_together: dict[tuple, Figures] = {}  # (platform, n) -> the figures of n devices at once
+
+
+def together(devices: tuple, reduced: bool = False) -> Figures:
+    """The figures of each of ``devices`` while all of them run at once: for CPU devices a
+    batched matmul and a copy split over them, timed once per count and session (each device
+    gets its share of the host's cores); other devices' own figures."""
+    one = figures(devices[0], reduced)
+    if devices[0].platform != "cpu" or len(devices) == 1:
+        return one
+    key = (devices[0].platform, len(devices))
+    if key not in _together:
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        n, m = len(devices), 512
+        split = NamedSharding(Mesh(np.array(devices), ("i",)), P("i"))
+        a = jax.device_put(jnp.ones((n, m, m), jnp.float32), split)
+        matmul = jax.jit(lambda x: x @ x)
+        peak = 2 * m**3 / _best(lambda: matmul(a))
+        big = jax.device_put(jnp.ones((n, 2**21), jnp.float32), split)
+        copy = jax.jit(lambda x: x * 2.0)
+        bandwidth = 2 * big.nbytes / n / _best(lambda: copy(big))
+        _together[key] = one.shared(peak, bandwidth, n)
+    return _together[key]
 
 
 def _best(fn, repeats: int = 5) -> float:

@@ -84,7 +84,7 @@ def test_a_grid_is_every_combination_in_order_and_planned_again_compiles_nothing
     assert [r.peak for r in again.rows()] == [r.peak for r in rows]
     text = repr(planned)
     assert "8 layout(s) compiled ahead of time from shapes, nothing allocated" in text
-    assert "predicted step" in text and "calibrated, 1/8 each" in text
+    assert "predicted step" in text and "calibrated, 8 at once" in text
 
 
 def test_a_memory_budget_marks_what_fits_and_best_is_the_fastest_that_fits():
@@ -150,7 +150,9 @@ def test_known_accelerators_come_from_the_table_and_others_are_calibrated():
     cpu = _roofline.figures(jax.devices()[0])
     assert cpu.source == "calibrated" and cpu.flops > 1e8 and cpu.bandwidth > 1e7 and cpu.dispatch < 0.1
     assert _roofline.figures(jax.devices()[1]) is cpu  # once per session
-    assert cpu.shared(8).flops == cpu.flops / 8
+    eight = _roofline.together(tuple(jax.devices()[:8]))
+    assert eight.source == "calibrated, 8 at once" and 0 < eight.flops < 2 * cpu.flops
+    assert _roofline.together(tuple(jax.devices()[:8])) is eight  # once per count
 
 
 def test_the_roofline_overlaps_compute_and_memory_and_adds_communication_and_dispatch():

@@ -198,8 +198,7 @@ def plan_grid(
             )
         if acc > rows:
             raise ValueError(f"{where}: accumulate={acc} is more than the batch's {rows} rows")
-        own = _roofline.figures(targets.devices[0], prec != "fp32")
-        figures = own.shared(len(targets.devices)) if targets.devices[0].platform == "cpu" else own
+        figures = _roofline.together(targets.devices, prec != "fp32")
         reading, seconds = _read(makings, shapes, treedef, targets, spec, mesh, acc, prec, where)
         flops, accessed, sent, arguments, temporaries, peak, hops = reading
         limit = cap if cap is not None else _devices.memory_limit(targets.devices[0])
