@@ -392,30 +392,31 @@ class PlansAhead:
                 "step's temporaries: fit(..., accumulate=4) runs a quarter of the batch at a time, "
                 "precision='bf16' halves the activations; or give more contexts"
             )
-        self._auto = None
+        if best.shard != "fsdp" or not self._plan.split:
+            self._relay(best.shard, where)
         why = (
             "the fastest predicted that fits"
             if best.fits
             else "the fastest predicted (no memory limit known)"
         )
         self.layout = "\n".join([f"shard='auto' chose {best.shard}: {why}", *lines])
-        self.shard = best.shard
-        if best.shard != "fsdp" or not self._plan.split:
-            self._relay(best.shard, where)
+        self.shard, self._auto = best.shard, None  # chosen (a Ctrl-C before here: chosen again next fit)
 
     def _relay(self, shard: str, where: str) -> None:
         """The state laid out as ``shard`` says (read in its own shapes, placed again), and the
-        step built for it."""
+        step built for it. The trainer takes the new layout and state together, once both are
+        made (a Ctrl-C meanwhile leaves the old ones)."""
         devices = self.targets.devices
         params, opt = self._params, self._opt
         if self._layout is not None:
             params, opt = self._layout.read(params), self._layout.read_state(self.optimizer, opt)
-        self._plan = layout_plan(shapes_of(self._plan.leaves), shard, None, len(devices), where)
-        self._layout = Placement(self._plan, devices) if self._plan.split else None
-        if self._layout is None:
-            self._params, self._opt = jax.device_put((params, opt), sharding(devices))
+        plan = layout_plan(shapes_of(self._plan.leaves), shard, None, len(devices), where)
+        layout = Placement(plan, devices) if plan.split else None
+        if layout is None:
+            params, opt = jax.device_put((params, opt), sharding(devices))
         else:
-            self._params, self._opt = self._layout.as_stored(self.optimizer, params, opt, where)
+            params, opt = layout.as_stored(self.optimizer, params, opt, where)
+        self._plan, self._layout, self._params, self._opt = plan, layout, params, opt
         self._programs.clear()
         self._program = self._built(self._accumulate, self._precision)
 
