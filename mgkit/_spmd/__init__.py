@@ -26,6 +26,7 @@ from ._collectives import Reading as Reading
 from ._collectives import Watch as Watch
 from ._collectives import check_run as check_run
 from ._collectives import communication as communication
+from ._collectives import cost_of as cost_of
 from ._collectives import flops_of as flops_of
 from ._collectives import note_run as note_run
 from ._collectives import read_compiled as read_compiled

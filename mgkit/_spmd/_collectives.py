@@ -121,9 +121,10 @@ def program_devices(compiled: Any) -> tuple | None:
     return None
 
 
-def flops_of(compiled: Any) -> float | None:
-    """The ``flops`` of a compiled program's ``cost_analysis()`` (a dict in JAX 0.4.30 and
-    later, a list of one dict per program before), or None where it has none (or no program)."""
+def cost_of(compiled: Any, what: str = "flops") -> float | None:
+    """One figure of a compiled program's ``cost_analysis()`` per device (``"flops"``, ``"bytes
+    accessed"``; a dict in JAX 0.4.30 and later, a list of one dict per program before), or None
+    where it has none (or no program)."""
     try:
         analysis = None if compiled is None else compiled.cost_analysis()
     except Exception:  # noqa: BLE001 - a backend without a cost analysis
@@ -132,8 +133,13 @@ def flops_of(compiled: Any) -> float | None:
         analysis = analysis[0] if analysis else None
     if not isinstance(analysis, dict):
         return None
-    flops = analysis.get("flops")
-    return float(flops) if isinstance(flops, int | float) and flops >= 0 else None
+    value = analysis.get(what)
+    return float(value) if isinstance(value, int | float) and value >= 0 else None
+
+
+def flops_of(compiled: Any) -> float | None:
+    """The ``flops`` of a compiled program's cost analysis (``cost_of``)."""
+    return cost_of(compiled, "flops")
 
 
 def read_compiled(compiled: Any, contexts: tuple, what: str) -> Reading:

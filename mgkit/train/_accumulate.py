@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .._oom import program_bytes
 from . import _precision
 
 
@@ -209,5 +210,4 @@ def peak_bytes(step: Callable, *args: Any) -> int:
     """Per-device peak bytes of the jitted ``step`` for ``args`` (arrays, or shapes with their
     shardings: nothing is allocated): its arguments, its outputs that do not reuse them (donated
     buffers), and its temporaries, from the compiled program's ``memory_analysis``."""
-    m = step.lower(*args).compile().memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return program_bytes(step.lower(*args).compile())

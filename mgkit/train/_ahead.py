@@ -29,7 +29,7 @@ import optax
 from .. import _devices, _roofline
 from .._numbers import nbytes, whole
 from .._oom import program_bytes
-from .._spmd import AXIS, Cache, Communication, read_compiled, resolve, sharding
+from .._spmd import AXIS, Cache, Communication, cost_of, read_compiled, resolve, sharding
 from .._table import Table, human_bytes
 from ._checks import check_loss_fn, check_optimizer
 from ._data import check_batch
@@ -281,14 +281,7 @@ def _read(
 
 def _cost(compiled: Any) -> tuple[float | None, float | None]:
     """A compiled program's flops and bytes accessed per device (XLA's cost analysis)."""
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - a backend without a cost analysis
-        return None, None
-    cost = (cost[0] if cost else {}) if isinstance(cost, list | tuple) else (cost or {})
-    return tuple(
-        float(cost[k]) if isinstance(cost.get(k), int | float) else None for k in ("flops", "bytes accessed")
-    )
+    return cost_of(compiled, "flops"), cost_of(compiled, "bytes accessed")
 
 
 def _abstract(
